@@ -1,0 +1,1 @@
+"""Lossless self-speculative decoding for Hugging Face transformers."""

@@ -1,0 +1,114 @@
+"""The knobs of self-speculative decoding, their defaults, and their validation.
+
+Every other module (the generate hook, the tuned profiles, the tuner's search space, the bench)
+reads parameter names from here, so a knob is added or renamed in exactly one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class SelfSpecParams:
+    """Resolved parameters for one `generate` call under a strategy.
+
+    `draft_exit_threshold` is the fixed exit threshold of `self_speculative` and the *initial*
+    threshold of `adaptive_draft_exit`; the Draft & Verify paper starts that one at 0.6.
+    """
+
+    attn_skip_layers: tuple[int, ...] = ()
+    mlp_skip_layers: tuple[int, ...] = ()
+    max_draft_tokens: int = 8
+    draft_exit_threshold: float = 0.6
+    target_acceptance: float = 0.9
+    threshold_step: float = 0.01
+    acceptance_ema: float = 0.5
+    threshold_ema: float = 0.9
+    target_confidence_threshold: float = 0.5
+    prompt_lookup_tokens: int = 0
+    prompt_lookup_ngram: int = 3
+
+    def as_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values["attn_skip_layers"] = list(self.attn_skip_layers)
+        values["mlp_skip_layers"] = list(self.mlp_skip_layers)
+        return values
+
+
+PARAM_NAMES: frozenset[str] = frozenset(f.name for f in fields(SelfSpecParams))
+_LAYER_KEYS = ("attn_skip_layers", "mlp_skip_layers")
+_PROBABILITY_KEYS = (
+    "draft_exit_threshold",
+    "target_acceptance",
+    "threshold_step",
+    "acceptance_ema",
+    "threshold_ema",
+    "target_confidence_threshold",
+)
+_COUNT_KEYS = {"max_draft_tokens": 1, "prompt_lookup_tokens": 0, "prompt_lookup_ngram": 1}
+
+
+def default_skip_layers(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The documented untuned skip set: both sub-layers of every other layer in the back half.
+
+    Early layers build the representation that later ones refine, so skipping from the middle
+    onwards costs the least acceptance; the last layer is kept because it shapes the logits.
+    """
+    layers = tuple(range(num_layers // 2, num_layers - 1, 2))
+    return layers, layers
+
+
+def check_param_types(values: Mapping[str, Any], where: str) -> None:
+    """Reject unknown names and wrong types, naming the offending key and where it came from."""
+    for key, value in values.items():
+        if key not in PARAM_NAMES:
+            raise ValueError(
+                f"{where}: unknown self-speculative parameter {key!r}; known: {', '.join(sorted(PARAM_NAMES))}"
+            )
+        if key in _LAYER_KEYS:
+            if not isinstance(value, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in value
+            ):
+                raise ValueError(f"{where}: {key} must be a list of layer indices (ints), got {value!r}")
+        elif key in _COUNT_KEYS:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be an int, got {value!r}")
+        elif key in _PROBABILITY_KEYS:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+
+
+def resolve_params(
+    num_layers: int,
+    explicit: Mapping[str, Any],
+    config_values: Mapping[str, Any] = {},
+    profile_values: Mapping[str, Any] = {},
+) -> SelfSpecParams:
+    """Merge the sources (explicit kwargs win over `generation_config`, which wins over a tuned
+    profile) and validate the result against the model's depth."""
+    merged: dict[str, Any] = {}
+    for source, where in ((profile_values, "tuned profile"), (config_values, "generation_config"), (explicit, "generate()")):
+        check_param_types(source, where)
+        merged.update({k: v for k, v in source.items() if v is not None})
+    if "attn_skip_layers" not in merged and "mlp_skip_layers" not in merged:
+        merged["attn_skip_layers"], merged["mlp_skip_layers"] = default_skip_layers(num_layers)
+    for key in _LAYER_KEYS:
+        layers = merged.get(key, ())
+        bad = [i for i in layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"{key} has layer index {bad[0]} out of range for a model with {num_layers} layers")
+        merged[key] = tuple(sorted(set(layers)))
+    fully_skipped = set(merged["attn_skip_layers"]) & set(merged.get("mlp_skip_layers", ()))
+    if len(fully_skipped) == num_layers:
+        raise ValueError(
+            "attn_skip_layers and mlp_skip_layers skip every layer; the draft must keep at least one sub-layer"
+        )
+    for key in _PROBABILITY_KEYS:
+        if key in merged and not 0.0 <= float(merged[key]) <= 1.0:
+            raise ValueError(f"{key} must lie in [0, 1], got {merged[key]}")
+    for key, minimum in _COUNT_KEYS.items():
+        if key in merged and merged[key] < minimum:
+            raise ValueError(f"{key} must be >= {minimum}, got {merged[key]}")
+    return SelfSpecParams(**merged)

@@ -1,0 +1,121 @@
+"""Tuned profiles inside `generation_config.json`: the one definition of their format.
+
+The best skip set differs per model, accelerator and dtype, so one config file carries one
+profile per `device/dtype` key under `self_speculative`:
+
+    "self_speculative": {
+      "cpu/float32": {
+        "strategy": "adaptive_draft_exit",
+        "params": {"attn_skip_layers": [...], "mlp_skip_layers": [...], "max_draft_tokens": 6},
+        "measured": {"speedup": 1.31, "acceptance_rate": 0.82, "study": "...", "trial": 41}
+      },
+      "cuda/NVIDIA H100 80GB HBM3/bfloat16": {...}
+    }
+
+`params` uses the names of `hf_selfspec.params.SelfSpecParams`; `measured` is free-form
+provenance written by the tuner and never read by decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .params import check_param_types
+
+PROFILE_KEY = "self_speculative"
+_PROFILE_FIELDS = {"strategy", "params", "measured"}
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TunedProfile:
+    strategy: str
+    params: dict[str, Any]
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "params": dict(self.params), "measured": dict(self.measured)}
+
+
+def device_profile_key(device: torch.device | str, dtype: torch.dtype) -> str:
+    """`cpu/float32`, or `cuda/<device name>/bfloat16`: GPUs of one family differ enough in
+    memory bandwidth that their best skip sets differ, so the name is part of the key."""
+    device = torch.device(device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        return f"cuda/{torch.cuda.get_device_name(device)}/{dtype_name}"
+    return f"{device.type}/{dtype_name}"
+
+
+def parse_profile(raw: Any, where: str) -> TunedProfile:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: a profile must be an object, got {type(raw).__name__}")
+    unknown = set(raw) - _PROFILE_FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown profile key {sorted(unknown)[0]!r}; expected {sorted(_PROFILE_FIELDS)}")
+    strategy = raw.get("strategy")
+    if not isinstance(strategy, str):
+        raise ValueError(f"{where}.strategy: must be a strategy name, got {strategy!r}")
+    params = raw.get("params", {})
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{where}.params: must be an object")
+    check_param_types(params, f"{where}.params")
+    measured = raw.get("measured", {})
+    if not isinstance(measured, Mapping):
+        raise ValueError(f"{where}.measured: must be an object")
+    return TunedProfile(strategy=strategy, params=dict(params), measured=dict(measured))
+
+
+def read_profiles(generation_config: Any) -> dict[str, TunedProfile]:
+    """All profiles in a `GenerationConfig` (or its dict form), validated."""
+    raw = (
+        generation_config.get(PROFILE_KEY)
+        if isinstance(generation_config, Mapping)
+        else getattr(generation_config, PROFILE_KEY, None)
+    )
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"generation_config.{PROFILE_KEY}: must map 'device/dtype' keys to profiles")
+    return {key: parse_profile(value, f"generation_config.{PROFILE_KEY}[{key!r}]") for key, value in raw.items()}
+
+
+def write_profile(generation_config: Any, key: str, profile: TunedProfile) -> None:
+    """Add or replace one device's profile, keeping every other device's."""
+    profiles = {k: p.to_json() for k, p in read_profiles(generation_config).items()}
+    profiles[key] = profile.to_json()
+    if isinstance(generation_config, dict):
+        generation_config[PROFILE_KEY] = profiles
+    else:
+        setattr(generation_config, PROFILE_KEY, profiles)
+
+
+_warned_keys: set[tuple[int, str]] = set()
+
+
+def profile_for_model(model: torch.nn.Module) -> TunedProfile | None:
+    """The profile matching the device and dtype the model runs on, if its config has one.
+
+    A config tuned only on other hardware warns once per model and key: applying a CPU skip set
+    on a GPU is legal but usually slower than plain decoding, so we stay plain instead.
+    """
+    profiles = read_profiles(model.generation_config)
+    if not profiles:
+        return None
+    key = device_profile_key(model.device, model.dtype)
+    if key in profiles:
+        return profiles[key]
+    if (id(model), key) not in _warned_keys:
+        _warned_keys.add((id(model), key))
+        logger.warning(
+            "generation_config has self-speculative profiles for %s but not for %s; decoding plainly. "
+            "Run `hf-selfspec tune` on this device to add one.",
+            ", ".join(sorted(profiles)),
+            key,
+        )
+    return None

@@ -1,0 +1,46 @@
+"""What a strategy reports about one `generate` call (`output.strategy_stats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StrategyStats:
+    """Counters of one speculative `generate` call.
+
+    `accepted_lengths` keeps one entry per verification that had a draft to check, so that the
+    distribution (not only the mean) of accepted run lengths can be plotted.
+    """
+
+    strategy: str = ""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verification_steps: int = 0
+    plain_steps: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted draft tokens per verification that checked a draft."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "verification_steps": self.verification_steps,
+            "plain_steps": self.plain_steps,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "accepted_lengths": list(self.accepted_lengths),
+        }
