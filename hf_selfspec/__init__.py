@@ -1,1 +1,30 @@
-"""Lossless self-speculative decoding for Hugging Face transformers."""
+"""Lossless self-speculative decoding for Hugging Face transformers.
+
+    model = hf_selfspec.enable(AutoModelForCausalLM.from_pretrained(...))
+    model.generate(**inputs, strategy="adaptive_draft_exit", attn_skip_layers=[...], mlp_skip_layers=[...])
+"""
+
+from .embedded import load_embedded
+from .mixin import SelfSpecGenerateOutput, SelfSpecMixin, enable
+from .params import SelfSpecParams, default_skip_layers
+from .policies import AdaptiveExitPolicy, ExitPolicy, Gate, TargetConfidenceGate
+from .stats import StrategyStats
+from .strategies import PLAIN, Strategy, available_strategies, register_strategy
+
+__all__ = [
+    "PLAIN",
+    "AdaptiveExitPolicy",
+    "ExitPolicy",
+    "Gate",
+    "SelfSpecGenerateOutput",
+    "SelfSpecMixin",
+    "SelfSpecParams",
+    "Strategy",
+    "StrategyStats",
+    "TargetConfidenceGate",
+    "available_strategies",
+    "default_skip_layers",
+    "enable",
+    "load_embedded",
+    "register_strategy",
+]

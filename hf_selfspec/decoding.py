@@ -1,0 +1,136 @@
+"""The speculative decoding loop: draft, verify, accept, roll back.
+
+Positions are explicit and the sequence lives in one preallocated buffer, so a step allocates
+nothing it does not have to. The prompt's prefill is simply the first verification, of an
+empty draft.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import StoppingCriteriaList
+
+from .cache import DraftAwareCache
+from .drafters import DecodingState, Draft, Drafter
+from .policies import ExitPolicy, Gate
+from .selection import TokenSelector
+from .stats import StrategyStats
+from .verifier import Verdict, verify
+
+
+@dataclass
+class SpeculationParts:
+    """What a strategy composes: who proposes, when drafting stops, and whether to draft."""
+
+    drafter: Drafter
+    exit_policy: ExitPolicy
+    gate: Gate
+
+
+@dataclass
+class DecodeResult:
+    sequences: torch.Tensor
+    stats: StrategyStats
+    scores: tuple[torch.Tensor, ...]
+    logits: tuple[torch.Tensor, ...]
+
+
+def speculative_decode(
+    model,
+    cache: DraftAwareCache,
+    parts: SpeculationParts,
+    input_ids: torch.Tensor,
+    selector: TokenSelector,
+    stopping_criteria: StoppingCriteriaList,
+    max_length: int,
+    max_draft_tokens: int,
+    stats: StrategyStats,
+    streamer=None,
+    keep_scores: bool = False,
+) -> DecodeResult:
+    prompt_length = input_ids.shape[1]
+    sequence = input_ids.new_zeros((1, max_length))
+    sequence[:, :prompt_length] = input_ids
+    positions = torch.arange(max_length, device=input_ids.device).unsqueeze(0)
+    state = DecodingState(sequence, positions, prompt_length)
+    kv_length = 0
+    kept_scores: list[torch.Tensor] = []
+    kept_logits: list[torch.Tensor] = []
+    finished = prompt_length >= max_length
+
+    while not finished:
+        is_prefill = kv_length == 0
+
+        # Draft
+        draft = Draft()
+        room = max_length - state.length
+        if not is_prefill and room > 1 and parts.gate.should_draft():
+            started = time.perf_counter()
+            draft = parts.drafter.propose(state, min(max_draft_tokens, room - 1), parts.exit_policy, selector)
+            cache.rollback(kv_length)  # the draft's own KV is not the full model's
+            stats.draft_seconds += time.perf_counter() - started
+        drafted = len(draft.tokens)
+
+        # Verify: every drafted position in one forward pass of the full model
+        started = time.perf_counter()
+        end = state.length + drafted
+        logits = model(
+            input_ids=sequence[:, kv_length:end],
+            position_ids=positions[:, kv_length:end],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=drafted + 1,
+        ).logits[0]
+        verdict = verify(selector, state, draft, logits)
+        stats.verify_seconds += time.perf_counter() - started
+
+        # Accept
+        committed, finished = _commit(state, verdict, stopping_criteria)
+        if streamer is not None:
+            streamer.put(sequence[0, state.length - committed : state.length].cpu())
+        if keep_scores:
+            kept_scores.extend(verdict.scores[:committed, None])
+            kept_logits.extend(verdict.logits[:committed, None])
+
+        # Roll back: keep the KV of every committed token but the newest, which has none yet
+        kv_length = state.length - 1
+        cache.rollback(kv_length)
+        parts.drafter.rollback(kv_length)
+        _adapt(parts, verdict, drafted)
+        if not is_prefill:
+            _count(stats, verdict, drafted)
+
+    if streamer is not None:
+        streamer.end()
+    return DecodeResult(sequence[:, : state.length].clone(), stats, tuple(kept_scores), tuple(kept_logits))
+
+
+def _commit(state: DecodingState, verdict: Verdict, stopping_criteria: StoppingCriteriaList) -> tuple[int, bool]:
+    """Append the verdict's tokens one by one, stopping exactly where plain decoding would."""
+    for count, token in enumerate(verdict.tokens, start=1):
+        state.sequence[0, state.length] = token
+        state.length += 1
+        if bool(stopping_criteria(state.sequence[:, : state.length], None).any()):
+            return count, True
+    return len(verdict.tokens), False
+
+
+def _adapt(parts: SpeculationParts, verdict: Verdict, drafted: int) -> None:
+    if drafted:
+        parts.exit_policy.update(verdict.accepted, drafted)
+    if parts.gate.needs_confidence:
+        probabilities = torch.softmax(verdict.scores[-1], dim=-1)
+        parts.gate.update(float(probabilities[verdict.tokens[-1]]))
+
+
+def _count(stats: StrategyStats, verdict: Verdict, drafted: int) -> None:
+    if drafted:
+        stats.verification_steps += 1
+        stats.drafted_tokens += drafted
+        stats.accepted_tokens += verdict.accepted
+        stats.accepted_lengths.append(verdict.accepted)
+    else:
+        stats.plain_steps += 1

@@ -1,0 +1,155 @@
+"""Who proposes tokens: the model with sub-layers skipped, a separate small model, or prompt lookup.
+
+A drafter writes its proposals into the sequence buffer right after the committed tokens (the
+verifier overwrites whatever it rejects) and returns them with the distributions they were
+drawn from, which speculative sampling needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .cache import DraftAwareCache
+from .layer_skip import LayerSkipper
+from .policies import ExitPolicy
+from .selection import TokenSelector
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # One `[vocab]` distribution per token; empty for deterministic proposals (prompt lookup),
+    # which speculative sampling treats as one-hot.
+    distributions: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class DecodingState:
+    """The committed text: `sequence[:, :length]`, of which the last token has no KV yet."""
+
+    sequence: torch.Tensor  # [1, max_length] buffer
+    positions: torch.Tensor  # [1, max_length] arange, sliced for explicit position ids
+    length: int
+
+
+class Drafter:
+    def propose(self, state: DecodingState, max_tokens: int, exit_policy: ExitPolicy, selector: TokenSelector) -> Draft:
+        raise NotImplementedError
+
+    def rollback(self, committed_kv_length: int) -> None:
+        """Forget draft state past the KV the verifier kept; the shared cache needs nothing."""
+
+    def close(self) -> None:
+        """Undo anything done to the model for drafting; called once `generate` ends."""
+
+
+def _draft_autoregressively(
+    model: nn.Module,
+    cache: DraftAwareCache,
+    state: DecodingState,
+    start: int,
+    max_tokens: int,
+    exit_policy: ExitPolicy,
+    selector: TokenSelector,
+) -> Draft:
+    """Feed `sequence[start:length]`, then extend one token at a time until the exit fires.
+
+    The token whose confidence trips the exit is kept: its forward pass is already paid for, and
+    keeping it guarantees every drafting round gives the exit policy feedback to adapt on.
+    """
+    draft = Draft()
+    sequence, positions, end = state.sequence, state.positions, state.length
+    for _ in range(max_tokens):
+        logits = model(
+            input_ids=sequence[:, start:end],
+            position_ids=positions[:, start:end],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        token, distribution = selector.pick(selector.scores(sequence[:, :end], logits))
+        sequence[0, end] = token
+        draft.tokens.append(token)
+        draft.distributions.append(distribution)
+        start, end = end, end + 1
+        if float(distribution.max()) < exit_policy.threshold:
+            break
+    return draft
+
+
+class LayerSkipDrafter(Drafter):
+    """The model itself with sub-layers skipped, writing into the verifier's own cache."""
+
+    def __init__(self, model: nn.Module, cache: DraftAwareCache, skipper: LayerSkipper):
+        self.model, self.cache, self.skipper = model, cache, skipper
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        with self.skipper.drafting(self.cache):
+            return _draft_autoregressively(
+                self.model, self.cache, state, state.length - 1, max_tokens, exit_policy, selector
+            )
+
+    def close(self) -> None:
+        self.skipper.close()
+
+
+class AssistantDrafter(Drafter):
+    """A separate small model with its own cache, catching up on whatever was committed since
+    it last drafted (plain steps under a closed gate included)."""
+
+    def __init__(self, assistant: nn.Module):
+        self.assistant = assistant
+        self.cache = DraftAwareCache(assistant.config)
+        self.kv_length = 0
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        draft = _draft_autoregressively(
+            self.assistant, self.cache, state, self.kv_length, max_tokens, exit_policy, selector
+        )
+        self.kv_length = state.length + len(draft.tokens) - 1
+        return draft
+
+    def rollback(self, committed_kv_length: int) -> None:
+        self.kv_length = min(self.kv_length, committed_kv_length)
+        self.cache.rollback(self.kv_length)
+
+
+class PromptLookupDrafter(Drafter):
+    """Copy the continuation of the latest earlier occurrence of the current n-gram, else fall
+    back to another drafter.
+
+    Code and edits repeat their own context (names, signatures, docstrings), so a matching
+    n-gram often predicts several tokens at no model cost; where nothing matches, the model-based
+    fallback still proposes.
+    """
+
+    def __init__(self, fallback: Drafter, max_ngram: int, max_lookup_tokens: int):
+        self.fallback, self.max_ngram, self.max_lookup_tokens = fallback, max_ngram, max_lookup_tokens
+
+    def _lookup(self, state: DecodingState, max_tokens: int) -> list[int]:
+        sequence = state.sequence[0, : state.length]
+        for ngram in range(min(self.max_ngram, state.length - 1), 0, -1):
+            pattern = sequence[-ngram:]
+            windows = sequence[:-1].unfold(0, ngram, 1)  # every earlier n-gram, by start index
+            starts = torch.nonzero((windows == pattern).all(dim=1)).flatten()
+            if starts.numel():
+                # windows end before the last token, so a continuation always exists
+                follow = int(starts[-1]) + ngram
+                return sequence[follow : follow + min(max_tokens, self.max_lookup_tokens)].tolist()
+        return []
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        tokens = self._lookup(state, max_tokens)
+        if not tokens:
+            return self.fallback.propose(state, max_tokens, exit_policy, selector)
+        state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
+        return Draft(tokens=tokens)
+
+    def rollback(self, committed_kv_length: int) -> None:
+        self.fallback.rollback(committed_kv_length)
+
+    def close(self) -> None:
+        self.fallback.close()

@@ -1,0 +1,185 @@
+"""`generate(strategy=...)` on any transformers decoder, by subclassing or by `enable(model)`.
+
+The hook sits where transformers dispatches greedy search and sampling (`_sample`), not in
+front of `generate`: that way every input transformers prepares (the processors from the
+config, `stop_strings` with the tokenizer, `min_new_tokens`, the length limits, the streamer)
+reaches the speculative loop exactly as it would reach plain decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, GenerationMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import DraftAwareCache
+from .decoding import speculative_decode
+from .layer_skip import decoder_layers
+from .params import PARAM_NAMES, SelfSpecParams, resolve_params
+from .profiles import profile_for_model
+from .selection import TokenSelector
+from .stats import StrategyStats
+from .strategies import PLAIN, Strategy, available_strategies, resolve_strategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SelfSpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """The usual decoder-only output, plus what the strategy did."""
+
+    strategy_stats: StrategyStats | None = None
+
+
+@dataclass
+class StrategyPlan:
+    strategy: Strategy
+    params: SelfSpecParams
+    assistant_model: nn.Module | None
+
+
+def _unsupported(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """Why this call cannot run under a strategy, or None. Reads kwargs over the config."""
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
+
+    def setting(name: str, default=None):
+        return kwargs[name] if name in kwargs else getattr(config, name, default)
+
+    if (setting("num_beams", 1) or 1) > 1:
+        return "run beam search (num_beams > 1)"
+    if setting("cache_implementation") not in (None, "dynamic"):
+        return f"use a {setting('cache_implementation')!r} cache: a strategy needs a dynamic cache it can roll back"
+    past = kwargs.get("past_key_values")
+    if past is not None and (type(past) is not DynamicCache or past.get_seq_length() > 0):
+        return "continue from a given past_key_values: a strategy builds its own rollback-capable cache"
+    if setting("use_cache", True) is False:
+        return "decode with use_cache=False"
+    if setting("output_attentions", False) or setting("output_hidden_states", False):
+        return "return attentions or hidden states"
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    batch = (inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else 1) * (
+        setting("num_return_sequences", 1) or 1
+    )
+    if batch > 1:
+        return f"decode a batch of {batch} sequences: strategies decode one sequence per call"
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        return "decode a padded input"
+    return None
+
+
+class SelfSpecMixin(GenerationMixin):
+    """Adds `strategy=` (and the strategy parameters) to `generate`.
+
+    Without `strategy`, a model whose generation config carries a tuned profile for the device
+    it runs on uses that profile; otherwise `generate` is plain transformers. `strategy="plain"`
+    always decodes plainly.
+    """
+
+    _selfspec_plan: StrategyPlan | None = None
+
+    def generate(self, *args, strategy: str | Strategy | None = None, **kwargs):
+        explicit = {name: kwargs.pop(name) for name in list(kwargs) if name in PARAM_NAMES}
+        plan = self._plan_strategy(strategy, explicit, args, kwargs)
+        if plan is None:
+            return super().generate(*args, **kwargs)
+        kwargs.pop("assistant_model", None)  # ours to draft with; transformers must not see it
+        self._selfspec_plan = plan
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self._selfspec_plan = None
+
+    def _plan_strategy(
+        self, strategy: str | Strategy | None, explicit: dict[str, Any], args: tuple, kwargs: dict[str, Any]
+    ) -> StrategyPlan | None:
+        if strategy is None or strategy == PLAIN:
+            if explicit:
+                raise ValueError(
+                    f"{sorted(explicit)[0]} only applies under a strategy; pass strategy= one of "
+                    f"{', '.join(available_strategies())}"
+                )
+        profile = None if strategy == PLAIN else profile_for_model(self)
+        if strategy == PLAIN or (strategy is None and profile is None):
+            return None
+        reason = _unsupported(self, args, kwargs)
+        if reason is not None:
+            if strategy is None:
+                logger.info("Decoding plainly: the tuned profile's strategy cannot %s.", reason)
+                return None
+            raise ValueError(f"strategy={getattr(strategy, 'name', strategy)!r} cannot {reason}")
+        resolved = resolve_strategy(strategy if strategy is not None else profile.strategy)
+        config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
+        config_values = {name: getattr(config, name) for name in PARAM_NAMES if getattr(config, name, None) is not None}
+        params = resolve_params(
+            len(decoder_layers(self)), explicit, config_values, profile.params if profile is not None else {}
+        )
+        return StrategyPlan(resolved, params, kwargs.get("assistant_model"))
+
+    def _sample(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus: bool = False,
+        streamer=None,
+        **model_kwargs,
+    ):
+        plan, self._selfspec_plan = self._selfspec_plan, None
+        if plan is None:
+            return super()._sample(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+            )
+        cache = DraftAwareCache(self.config)
+        parts = plan.strategy.build(self, plan.params, cache, plan.assistant_model)
+        keep_scores = generation_config.return_dict_in_generate and (
+            generation_config.output_scores or generation_config.output_logits
+        )
+        try:
+            result = speculative_decode(
+                self,
+                cache,
+                parts,
+                input_ids,
+                TokenSelector(logits_processor, generation_config.do_sample),
+                stopping_criteria,
+                max_length=generation_config.max_length,
+                max_draft_tokens=plan.params.max_draft_tokens,
+                stats=StrategyStats(strategy=plan.strategy.name),
+                streamer=streamer,
+                keep_scores=keep_scores,
+            )
+        finally:
+            parts.drafter.close()
+        if not generation_config.return_dict_in_generate:
+            return result.sequences
+        return SelfSpecGenerateOutput(
+            sequences=result.sequences,
+            scores=result.scores if generation_config.output_scores else None,
+            logits=result.logits if generation_config.output_logits else None,
+            past_key_values=cache,
+            strategy_stats=result.stats,
+        )
+
+
+_enabled_classes: dict[type, type] = {}
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Let an already loaded model accept `strategy=`: the same object, its class swapped for a
+    cached subclass with `SelfSpecMixin` in front, so weights and hooks stay where they are."""
+    cls = type(model)
+    if isinstance(model, SelfSpecMixin):
+        return model
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"{cls.__name__} cannot generate, so it cannot take a decoding strategy")
+    if cls not in _enabled_classes:
+        _enabled_classes[cls] = type(f"SelfSpec{cls.__name__}", (SelfSpecMixin, cls), {})
+    model.__class__ = _enabled_classes[cls]
+    return model

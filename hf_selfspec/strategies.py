@@ -1,0 +1,121 @@
+"""Strategies: named compositions of a drafter, an exit policy and a gate, and their registry.
+
+A user strategy subclasses `Strategy`, overrides the factory it wants to change and registers
+itself; the decoding loop, the verifier and every `generate` feature come with it unchanged:
+
+    @hf_selfspec.register_strategy("cautious")
+    class Cautious(hf_selfspec.Strategy):
+        def build_exit_policy(self, params):
+            return ExitPolicy(threshold=0.9)
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from .cache import DraftAwareCache
+from .decoding import SpeculationParts
+from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter
+from .layer_skip import LayerSkipper
+from .params import SelfSpecParams
+from .policies import AdaptiveExitPolicy, ExitPolicy, Gate, TargetConfidenceGate
+
+PLAIN = "plain"  # `strategy="plain"`: decode with transformers alone, even if a tuned profile exists
+
+_REGISTRY: dict[str, type["Strategy"]] = {}
+
+
+class Strategy:
+    name: ClassVar[str] = ""
+    # Whether `assistant_model=` may replace the layer-skip draft.
+    accepts_assistant_model: ClassVar[bool] = False
+
+    def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
+        return ExitPolicy(params.draft_exit_threshold)
+
+    def build_gate(self, params: SelfSpecParams) -> Gate:
+        return Gate()
+
+    def build_drafter(
+        self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None
+    ) -> Drafter:
+        if assistant_model is not None:
+            drafter: Drafter = AssistantDrafter(assistant_model)
+        else:
+            skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
+            drafter = LayerSkipDrafter(model, cache, skipper)
+        if params.prompt_lookup_tokens:
+            drafter = PromptLookupDrafter(drafter, params.prompt_lookup_ngram, params.prompt_lookup_tokens)
+        return drafter
+
+    def build(
+        self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None = None
+    ) -> SpeculationParts:
+        if assistant_model is not None and not self.accepts_assistant_model:
+            raise ValueError(f"strategy {self.name!r} drafts with the model itself and does not take assistant_model")
+        return SpeculationParts(
+            drafter=self.build_drafter(model, params, cache, assistant_model),
+            exit_policy=self.build_exit_policy(params),
+            gate=self.build_gate(params),
+        )
+
+
+def register_strategy(name: str):
+    """Class decorator: make a `Strategy` subclass available as `generate(strategy=name)`."""
+
+    def register(cls: type[Strategy]) -> type[Strategy]:
+        if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+            raise TypeError(f"register_strategy({name!r}) expects a subclass of hf_selfspec.Strategy, got {cls!r}")
+        if not name or name == PLAIN:
+            raise ValueError(f"{name!r} cannot name a strategy")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def available_strategies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_strategy(strategy: str | Strategy) -> Strategy:
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, str) and strategy in _REGISTRY:
+        return _REGISTRY[strategy]()
+    raise ValueError(
+        f"unknown strategy {strategy!r}; available: {', '.join(available_strategies())} "
+        f"(or {PLAIN!r} for plain transformers decoding)"
+    )
+
+
+@register_strategy("self_speculative")
+class SelfSpeculative(Strategy):
+    """Draft with the skip set until `max_draft_tokens` or the fixed exit threshold."""
+
+
+@register_strategy("adaptive_draft_exit")
+class AdaptiveDraftExit(Strategy):
+    """The exit threshold follows the acceptance rate (Draft & Verify)."""
+
+    def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
+        return AdaptiveExitPolicy(
+            threshold=params.draft_exit_threshold,
+            target_acceptance=params.target_acceptance,
+            threshold_step=params.threshold_step,
+            acceptance_ema=params.acceptance_ema,
+            threshold_ema=params.threshold_ema,
+        )
+
+
+@register_strategy("target_confidence_gated")
+class TargetConfidenceGated(Strategy):
+    """Draft only after steps where the verifier was confident; works over an assistant too."""
+
+    accepts_assistant_model = True
+
+    def build_gate(self, params: SelfSpecParams) -> Gate:
+        return TargetConfidenceGate(params.target_confidence_threshold)

