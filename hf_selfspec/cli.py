@@ -12,7 +12,6 @@ import sys
 
 # subcommand -> module defining `add_parser(subparsers)`; each sets `func` on its parser.
 _COMMANDS = {
-    "demo": "hf_selfspec.demo",
     "bench": "hf_selfspec.bench.cli",
     "tune": "tuning.cli",
     "dashboard": "tuning.cli",
