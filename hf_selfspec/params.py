@@ -16,6 +16,8 @@ class SelfSpecParams:
 
     `draft_exit_threshold` is the fixed exit threshold of `self_speculative` and the *initial*
     threshold of `adaptive_draft_exit`; the Draft & Verify paper starts that one at 0.6.
+    `draft_vocab_size` > 0 restricts the draft's LM head to that many lowest token ids plus the
+    prompt's own tokens (0: the full head).
     """
 
     attn_skip_layers: tuple[int, ...] = ()
@@ -29,6 +31,7 @@ class SelfSpecParams:
     target_confidence_threshold: float = 0.5
     prompt_lookup_tokens: int = 0
     prompt_lookup_ngram: int = 3
+    draft_vocab_size: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -47,7 +50,7 @@ _PROBABILITY_KEYS = (
     "threshold_ema",
     "target_confidence_threshold",
 )
-_COUNT_KEYS = {"max_draft_tokens": 1, "prompt_lookup_tokens": 0, "prompt_lookup_ngram": 1}
+_COUNT_KEYS = {"max_draft_tokens": 1, "prompt_lookup_tokens": 0, "prompt_lookup_ngram": 1, "draft_vocab_size": 0}
 
 
 def default_skip_layers(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -45,7 +45,7 @@ class Strategy:
             drafter: Drafter = AssistantDrafter(assistant_model)
         else:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
-            drafter = LayerSkipDrafter(model, cache, skipper)
+            drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size)
         if params.prompt_lookup_tokens:
             drafter = PromptLookupDrafter(drafter, params.prompt_lookup_ngram, params.prompt_lookup_tokens)
         return drafter
