@@ -146,7 +146,7 @@ class SelfSpecMixin(GenerationMixin):
                 self,
                 cache,
                 parts,
-                input_ids,
+                input_ids.to(self.device),  # plain decoding accepts CPU inputs for a GPU model too
                 TokenSelector(logits_processor, generation_config.do_sample),
                 stopping_criteria,
                 max_length=generation_config.max_length,
