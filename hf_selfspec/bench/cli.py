@@ -1,0 +1,264 @@
+"""`hf-selfspec bench`: the command line around `run_benchmark`.
+
+Only argparse is imported up front, so `hf-selfspec --help` stays fast; torch, transformers and
+matplotlib load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import resources
+from importlib.util import find_spec
+from pathlib import Path
+
+# The `bench` extra: without matplotlib the top-level CLI turns this command into an install hint.
+if find_spec("matplotlib") is None:
+    raise ImportError("hf-selfspec bench draws its plots with matplotlib", name="matplotlib")
+
+CHAT = "chat"
+DEFAULT_PROMPTS = "humaneval"
+DEFAULT_N_PROMPTS = 20
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_REPEATS = 3
+DEFAULT_OUTPUT = "bench-results"
+
+DESCRIPTION = """\
+Measure plain greedy generate (the baseline) against transformers' prompt lookup
+(prompt_lookup_num_tokens=10), transformers' early exit (assistant_early_exit at half the
+layers) and each built-in self-speculative strategy, in one process on the same prompts.
+Runs are interleaved (baseline, contender 1, contender 2, ... on each prompt, then the next
+prompt) so that machine drift hits every contender alike. One warm-up run per contender comes
+first and is not counted.
+
+Our strategy named by a tuned profile (from --config, or the model's own generation_config)
+for this device and dtype runs with that profile's parameters ("tuned" in the table); every
+other strategy runs with the default skip set: both sub-layers of every other layer from the
+middle one on, never the last ("default"; see docs/bench.md).
+"""
+
+EPILOG = """\
+reported per contender:
+  tok/s       median over repeats of generated tokens / seconds
+  speedup     median over repeats of baseline seconds / contender seconds on the same prompts;
+              min and max over repeats as well
+  accept      accepted / drafted tokens (our strategies only)
+  acc/verify  mean accepted draft tokens per verification (our strategies only)
+  identical   whether its tokens equal the baseline's on every prompt and repeat; greedy
+              contenders must, and a difference is shown as NO (red on a terminal)
+When prompts carry a `category`, median speedups are also shown per category.
+
+files written to --output:
+  results.json   every figure above, per contender, per category and per prompt, the machine
+                 (device name, dtype, torch, transformers and hf-selfspec versions), the
+                 arguments and the skip sets used
+  speedup.png    speedup bars with min-max whiskers
+  acceptance.png distribution of accepted draft lengths per strategy
+
+examples:
+  hf-selfspec bench --n-prompts 10
+  hf-selfspec bench --model ./my-model --config tuned/generation_config.json --prompt-offset 20
+  hf-selfspec bench --prompts chat --max-new-tokens 128 --output bench-chat
+"""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure the strategies' speedup and losslessness against plain generate",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        default="embedded",
+        help="'embedded' (SmolLM2-135M-Instruct shipped as a wheel, offline), a local model "
+        "directory or a Hub id (default: %(default)s)",
+    )
+    parser.add_argument("--gguf-file", metavar="F", help="GGUF file inside --model to load (directory or Hub id only)")
+    parser.add_argument(
+        "--config",
+        metavar="generation_config.json",
+        help="generation config whose tuned profile for this device and dtype to benchmark, "
+        "for example one written by `hf-selfspec export` (default: the model's own)",
+    )
+    parser.add_argument(
+        "--prompts",
+        default=DEFAULT_PROMPTS,
+        metavar="humaneval|chat|FILE.jsonl",
+        help="'humaneval' (the HumanEval code prompts), 'chat' (20 open-ended chat prompts shipped "
+        "with hf-selfspec) or a JSONL file with one object a line holding a 'prompt' string or "
+        "'messages' list, and optionally 'id' and 'category' (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--n-prompts",
+        type=_positive_int,
+        default=DEFAULT_N_PROMPTS,
+        metavar="N",
+        help="number of prompts to use (default: %(default)s, or fewer if the set is smaller)",
+    )
+    parser.add_argument(
+        "--prompt-offset",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="skip the first N prompts, to benchmark prompts that tuning did not see; for example "
+        "tuning on HumanEval 0-19 and benchmarking with --prompt-offset 20 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        metavar="N",
+        help="tokens to generate per prompt (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=DEFAULT_REPEATS,
+        metavar="R",
+        help="timed passes over all prompts, after the uncounted warm-up; min and max need at "
+        "least 3 to mean anything (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--assistant",
+        metavar="DIR",
+        help="a small draft model sharing the model's tokenizer; adds transformers' assisted "
+        "generation and our target_confidence_gated strategy drafting with it",
+    )
+    parser.add_argument(
+        "--device", help="device to run on, e.g. cpu, cuda or cuda:1 (default: cuda when available, else cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights dtype; auto is bfloat16 on CUDA and float32 elsewhere (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--output",
+        default=DEFAULT_OUTPUT,
+        metavar="DIR",
+        help="directory for results.json, speedup.png and acceptance.png, created if missing (default: %(default)s)",
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _fail(message: object) -> int:
+    """One line on stderr and exit status 2, like argparse's own usage errors."""
+    print(f"hf-selfspec bench: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return 2
+
+
+def prompt_source(name: str) -> str | Path:
+    """`chat` is the prompt file shipped with the package; anything else goes to `load_prompts`."""
+    if name == CHAT:
+        return Path(str(resources.files("hf_selfspec").joinpath("data", "chat_prompts.jsonl")))
+    return name
+
+
+def check_config(path: str) -> None:
+    """Read `--config` and validate its tuned profiles before the model loads, so a typo costs
+    a second rather than the minutes of loading a large model."""
+    from ..profiles import read_profiles
+
+    try:
+        read_profiles(json.loads(Path(path).read_text(encoding="utf-8")))
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config {path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    except ValueError as error:
+        raise ValueError(f"--config {path}: {error}") from None
+
+
+def _device_and_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a device torch knows, e.g. cpu, cuda or cuda:1") from None
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available in this torch build or on this machine")
+    if args.dtype != "auto":
+        return device, args.dtype
+    return device, "bfloat16" if device_type == "cuda" else "float32"
+
+
+def _load_assistant(path: str, tokenizer, device: str, dtype: str):
+    from ..loading import load_model_and_tokenizer
+
+    assistant, assistant_tokenizer = load_model_and_tokenizer(path, dtype=dtype, device=device)
+    if assistant_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError("it must use the same tokenizer as the model")
+    return assistant
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import available_strategies
+    from ..loading import load_model_and_tokenizer
+    from ..prompts import load_prompts
+    from .benchmark import ACCEPTANCE_PLOT, RESULTS_FILE, SPEEDUP_PLOT, run_benchmark
+    from .contenders import build_contenders
+    from .table import render
+
+    # Everything that can be checked cheaply is checked before the model loads.
+    try:
+        prompts = load_prompts(prompt_source(args.prompts), n=args.n_prompts, offset=args.prompt_offset)
+        if args.config:
+            check_config(args.config)
+        device, dtype = _device_and_dtype(args)
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+    except ValueError as error:  # PromptFileError included: its message names the file and line
+        return _fail(error)
+    except OSError as error:
+        return _fail(f"--output {args.output}: cannot create it ({error.strerror or error})")
+    try:
+        model, tokenizer = load_model_and_tokenizer(
+            args.model, gguf_file=args.gguf_file, dtype=dtype, device=device, generation_config=args.config
+        )
+    except (OSError, ValueError, RuntimeError) as error:  # bad path or id, no embedded wheel, bad files
+        return _fail(f"cannot load --model {args.model}: {error}")
+    try:
+        assistant = _load_assistant(args.assistant, tokenizer, device, dtype) if args.assistant else None
+    except (OSError, ValueError, RuntimeError) as error:
+        return _fail(f"cannot load --assistant {args.assistant}: {error}")
+    try:
+        contenders = build_contenders(model, available_strategies(), assistant=assistant)
+    except ValueError as error:  # a tuned profile that does not fit this model
+        return _fail(error)
+    command = {key: value for key, value in vars(args).items() if key != "func"}
+    results = run_benchmark(
+        model,
+        tokenizer,
+        prompts,
+        contenders,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        output_dir=args.output,
+        command=command,
+    )
+    print(render(results, color=sys.stdout.isatty() and "NO_COLOR" not in os.environ))
+    written = ", ".join(str(Path(args.output) / name) for name in (RESULTS_FILE, SPEEDUP_PLOT, ACCEPTANCE_PLOT))
+    print(f"\nwrote {written}")
+    return 0

@@ -1,0 +1,163 @@
+"""What the bench compares: each decoding method as the `generate` arguments that select it.
+
+Every contender names its strategy explicitly, the baseline and transformers' own methods
+included (`strategy="plain"`): a tuned profile in the model's `generation_config` would otherwise
+quietly turn the baseline into a speculative strategy and make every speedup read as 1x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..layer_skip import decoder_layers
+from ..params import resolve_params
+from ..profiles import TunedProfile, device_profile_key, read_profiles
+
+BASELINE = "baseline"
+PLAIN = "plain"
+GATED_STRATEGY = "target_confidence_gated"
+PROMPT_LOOKUP_TOKENS = 10
+
+# Where a contender's decoding knobs come from, shown in the table's "params" column.
+TUNED = "tuned"
+DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One decoding method under test.
+
+    `lossless` contenders decode greedily and so must reproduce the baseline's tokens exactly;
+    the report flags any that do not. `family` groups them for the reader: the baseline,
+    transformers' own speed-ups, or this package's strategies.
+    """
+
+    name: str
+    generate_kwargs: Mapping[str, Any]
+    family: str
+    params_label: str
+    lossless: bool = True
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-safe description; a draft model is recorded by its path, not serialised."""
+        kwargs = {
+            key: getattr(value, "name_or_path", type(value).__name__) if isinstance(value, torch.nn.Module) else value
+            for key, value in self.generate_kwargs.items()
+        }
+        return {
+            "name": self.name,
+            "family": self.family,
+            "lossless": self.lossless,
+            "params_label": self.params_label,
+            "generate_kwargs": kwargs,
+        }
+
+
+def _num_layers(model) -> int:
+    """Counted the way `generate` counts them, so skip sets are validated against the same depth."""
+    return len(decoder_layers(model))
+
+
+def default_params(model) -> dict[str, Any]:
+    """Every parameter at its default, with the documented untuned skip set for this model's
+    depth (see `hf_selfspec.params.default_skip_layers`).
+
+    All of them are passed explicitly: `generate` fills unset ones from a tuned profile even
+    when the strategy differs from the profile's, which would blur "default" and "tuned".
+    """
+    return resolve_params(_num_layers(model), {}).as_dict()
+
+
+def _profile_params(model, profile: TunedProfile) -> dict[str, Any]:
+    """A profile's parameters completed and validated exactly as `generate` would."""
+    return resolve_params(_num_layers(model), profile.params).as_dict()
+
+
+def tuned_profile(model) -> tuple[str, TunedProfile | None]:
+    """The profile key for the device and dtype the model runs on, and its profile if the
+    model's `generation_config` carries one (a profile for other hardware does not count)."""
+    key = device_profile_key(model.device, model.dtype)
+    return key, read_profiles(model.generation_config).get(key)
+
+
+def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[Contender]:
+    """The baseline first, then transformers' methods, then ours; with `assistant`, also
+    transformers' assisted generation and (when available) our gated strategy over that draft.
+
+    The strategy a tuned profile names runs with the profile's parameters; every other strategy
+    runs with the default skip set, so an untuned model is still measured on equal terms.
+    """
+    profile_key, profile = tuned_profile(model)
+    if profile is not None and profile.strategy not in strategies:
+        raise ValueError(
+            f"the tuned profile for {profile_key} names strategy {profile.strategy!r}, "
+            f"which is not available; known: {', '.join(strategies)}"
+        )
+    plain = {"strategy": PLAIN, "do_sample": False}
+    exit_layer = _num_layers(model) // 2
+    contenders = [
+        Contender(BASELINE, plain, family="baseline", params_label="greedy"),
+        Contender(
+            "prompt_lookup",
+            {**plain, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
+            family="transformers",
+            params_label=f"{PROMPT_LOOKUP_TOKENS} tokens",
+        ),
+        Contender(
+            "early_exit",
+            {**plain, "assistant_early_exit": exit_layer},
+            family="transformers",
+            params_label=f"exit at layer {exit_layer}",
+        ),
+    ]
+    for strategy in strategies:
+        if profile is not None and profile.strategy == strategy:
+            params, label = _profile_params(model, profile), TUNED
+        else:
+            params, label = default_params(model), DEFAULT
+        contenders.append(
+            Contender(
+                strategy,
+                {"strategy": strategy, "do_sample": False, **params},
+                family="hf_selfspec",
+                params_label=label,
+            )
+        )
+    if assistant is not None:
+        draft = getattr(assistant, "name_or_path", "assistant")
+        contenders.append(
+            Contender(
+                "assisted",
+                {**plain, "assistant_model": assistant},
+                family="transformers",
+                params_label=f"draft {draft}",
+            )
+        )
+        if GATED_STRATEGY in strategies:
+            contenders.append(
+                Contender(
+                    f"{GATED_STRATEGY}+assistant",
+                    {
+                        "strategy": GATED_STRATEGY,
+                        "do_sample": False,
+                        "assistant_model": assistant,
+                        **default_params(model),
+                    },
+                    family="hf_selfspec",
+                    params_label=f"{DEFAULT}, draft {draft}",
+                )
+            )
+    return contenders
+
+
+def params_provenance(model) -> dict[str, Any]:
+    """Which skip sets the run used, for `results.json`."""
+    profile_key, profile = tuned_profile(model)
+    return {
+        "profile_key": profile_key,
+        "default_params": default_params(model),
+        "tuned_profile": profile.to_json() if profile is not None else None,
+    }

@@ -1,0 +1,76 @@
+"""Interleaved measurement: every contender on every prompt, in turn, repeat after repeat.
+
+Running A B C A B C rather than A A A B B B B C C C spreads slow drift (thermal throttling, a
+noisy neighbour, a background job) over all contenders alike, so it cancels in their ratios.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from tqdm import tqdm
+
+from ..measure import TimedRun, timed_generate
+from ..prompts import Prompt, encode_prompt
+from .contenders import BASELINE, Contender
+
+
+@dataclass
+class Measurements:
+    """Raw results: `runs[contender name][repeat][prompt index]`, warm-up excluded."""
+
+    prompts: list[Prompt]
+    contenders: list[Contender]
+    runs: dict[str, list[list[TimedRun]]]
+    max_new_tokens: int
+    repeats: int
+
+
+def measure(
+    model,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    contenders: Sequence[Contender],
+    *,
+    max_new_tokens: int,
+    repeats: int,
+    progress: bool = True,
+) -> Measurements:
+    """Time each contender on each prompt `repeats` times, after one uncounted warm-up run per
+    contender on the first prompt (lazy initialisation, allocator growth and, on GPUs, kernel
+    selection would otherwise land on whichever contender happens to run first)."""
+    names = [contender.name for contender in contenders]
+    if len(set(names)) != len(names):
+        raise ValueError(f"contender names must be unique, got {names}")
+    if BASELINE not in names:
+        raise ValueError(f"the contenders must include the {BASELINE!r} one that others are compared with")
+    if repeats < 1 or not prompts:
+        raise ValueError(f"need at least one prompt and one repeat, got {len(prompts)} prompts, {repeats} repeats")
+    encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
+    common = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
+    runs: dict[str, list[list[TimedRun]]] = {name: [[] for _ in range(repeats)] for name in names}
+    total = len(contenders) * (1 + repeats * len(prompts))
+    with tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", desc="bench", dynamic_ncols=True) as bar:
+        for contender in contenders:
+            bar.set_postfix_str(f"warm-up {contender.name}")
+            timed_generate(model, encoded[0], **common, **contender.generate_kwargs)
+            bar.update()
+        for repeat in range(repeats):
+            for index, inputs in enumerate(encoded):
+                for contender in contenders:
+                    bar.set_postfix_str(
+                        f"repeat {repeat + 1}/{repeats} prompt {index + 1}/{len(encoded)} {contender.name}"
+                    )
+                    runs[contender.name][repeat].append(
+                        timed_generate(model, inputs, **common, **contender.generate_kwargs)
+                    )
+                    bar.update()
+    return Measurements(
+        prompts=list(prompts),
+        contenders=list(contenders),
+        runs=runs,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+    )

@@ -1,0 +1,257 @@
+"""`hf-selfspec bench`: files, identity flags and errors. No test here asserts on speed: timings on
+a shared CI machine say nothing, and a tiny random model is not meant to be fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import hf_selfspec
+from hf_selfspec.bench.benchmark import run_benchmark
+from hf_selfspec.bench.cli import prompt_source
+from hf_selfspec.bench.contenders import BASELINE, Contender, build_contenders
+from hf_selfspec.bench.report import results_document
+from hf_selfspec.bench.runner import Measurements
+from hf_selfspec.bench.table import RED, RESET, render
+from hf_selfspec.cli import main
+from hf_selfspec.loading import load_model_and_tokenizer
+from hf_selfspec.measure import TimedRun
+from hf_selfspec.profiles import PROFILE_KEY
+from hf_selfspec.prompts import Prompt, encode_prompt, load_prompts
+from hf_selfspec.stats import StrategyStats
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+BENCH_FLAGS = ["--n-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", "--device", "cpu"]
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    """One code prompt and one chat prompt, so the run also exercises categories and chat templates."""
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"id": "add", "prompt": 'def add(a, b):\n    """Return a + b."""\n', "category": "code"},
+        {"id": "sea", "messages": [{"role": "user", "content": "Tell me about the sea."}], "category": "chat"},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    return load_model_and_tokenizer(str(tiny_llama_dir), device="cpu")
+
+
+def assert_valid_png(path):
+    from matplotlib.image import imread
+    from PIL import Image
+
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+    with Image.open(path) as image:
+        image.verify()
+    assert imread(path).ndim == 3
+
+
+def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, prompt_file, tmp_path, capsys):
+    output = tmp_path / "out"
+    status = main(
+        ["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output), *BENCH_FLAGS]
+    )
+    assert status == 0
+    results = json.loads((output / "results.json").read_text())
+    by_name = {contender["name"]: contender for contender in results["contenders"]}
+    expected = [BASELINE, "prompt_lookup", "early_exit", *hf_selfspec.available_strategies()]
+    assert list(by_name) == expected
+    # Every contender runs plainly unless it is one of ours: a tuned profile must not leak in.
+    for contender in results["contenders"]:
+        strategy = contender["generate_kwargs"]["strategy"]
+        assert (strategy == "plain") == (contender["family"] != "hf_selfspec")
+        assert contender["per_prompt"][0]["new_tokens"] == [8]
+        assert isinstance(contender["identical"], bool)
+        assert contender["identical"] == all(p["identical"] for p in contender["per_prompt"])
+    for name in hf_selfspec.available_strategies():
+        assert by_name[name]["identical"], f"{name} changed the greedy output"
+        assert by_name[name]["verifications"] is not None
+        assert by_name[name]["params_label"] == "default"
+    assert by_name["prompt_lookup"]["verifications"] is None
+    assert by_name[BASELINE]["speedup"]["per_repeat"] == [1.0]
+    assert set(results["categories"]) == {"code", "chat"}
+    assert set(results["categories"]["chat"]["contenders"]) == set(expected)
+    machine = results["machine"]
+    assert {"device_name", "dtype", "torch", "transformers", "hf_selfspec"} <= set(machine)
+    assert results["command"]["max_new_tokens"] == 8
+    assert results["skip_sets"]["tuned_profile"] is None
+    assert_valid_png(output / "speedup.png")
+    assert_valid_png(output / "acceptance.png")
+    table = capsys.readouterr().out
+    for name in expected:
+        assert name in table
+    assert "median speedup by prompt category" in table
+    assert RED not in table  # captured output is not a terminal
+
+
+def test_broken_contender_is_flagged(tiny_model, prompt_file, tmp_path):
+    model, tokenizer = tiny_model
+    prompts = load_prompts(prompt_file)
+    kept = {BASELINE, "self_speculative"}
+    contenders = [c for c in build_contenders(model, hf_selfspec.available_strategies()) if c.name in kept]
+    # Forbidding the baseline's first token on each prompt guarantees different output.
+    first_tokens = sorted({_first_greedy_token(model, tokenizer, prompt) for prompt in prompts})
+    broken = Contender(
+        "broken",
+        {"strategy": "plain", "do_sample": False, "suppress_tokens": first_tokens},
+        family="transformers",
+        params_label="suppresses the baseline's first token",
+    )
+    results = run_benchmark(
+        model,
+        tokenizer,
+        prompts,
+        [*contenders, broken],
+        max_new_tokens=8,
+        repeats=1,
+        output_dir=tmp_path,
+        progress=False,
+    )
+    by_name = {contender["name"]: contender for contender in results["contenders"]}
+    assert by_name["self_speculative"]["identical"]
+    assert not by_name["broken"]["identical"]
+    assert by_name["broken"]["mismatched_prompts"] == ["add", "sea"]
+    assert [p["first_difference"] for p in by_name["broken"]["per_prompt"]] == [0, 0]
+    broken_line = next(line for line in render(results, color=True).splitlines() if line.startswith("broken"))
+    assert RED in broken_line and broken_line.rstrip().endswith(f"NO{RESET}")
+    plain_table = render(results, color=False)
+    assert RED not in plain_table
+    assert "broken: tokens differ from the baseline on 2 prompt(s): add, sea" in plain_table
+    assert_valid_png(tmp_path / "speedup.png")
+
+
+def _first_greedy_token(model, tokenizer, prompt) -> int:
+    inputs = encode_prompt(tokenizer, prompt)
+    output = model.generate(
+        **inputs, max_new_tokens=1, do_sample=False, strategy="plain", pad_token_id=tokenizer.pad_token_id
+    )
+    return int(output[0, -1])
+
+
+def _run(tokens, seconds, accepted_lengths=None):
+    """A fabricated run; with `accepted_lengths`, one of ours that drafted two tokens per verification."""
+    if accepted_lengths is None:
+        return TimedRun(new_tokens=tokens, seconds=seconds, stats=None)
+    stats = StrategyStats(
+        drafted_tokens=2 * len(accepted_lengths),
+        accepted_tokens=sum(accepted_lengths),
+        accepted_lengths=accepted_lengths,
+    )
+    return TimedRun(new_tokens=tokens, seconds=seconds, stats=stats)
+
+
+def test_report_pairs_repeats_and_checks_every_prompt_in_every_repeat():
+    """Fabricated timings, so the arithmetic is checked without measuring anything."""
+    prompts = [Prompt(id="a", text="x", category="code"), Prompt(id="b", text="y")]
+    baseline = [[_run([1, 2, 3, 4], 1.0), _run([5, 6], 1.0)] for _ in range(3)]
+    # Speedups per repeat: 2/1, 2/0.5, 2/4 -> median 2.0, min 0.5, max 4.0.
+    fast = [
+        [_run([1, 2, 3, 4], 0.5, [1, 2]), _run([5, 6], 0.5, [0])],
+        [_run([1, 2, 3, 4], 0.25, [2]), _run([5, 6], 0.25, [])],
+        # Wrong only on prompt b of the last repeat, from its second token on.
+        [_run([1, 2, 3, 4], 2.0, [1]), _run([5, 7], 2.0, [1])],
+    ]
+    measurements = Measurements(
+        prompts=prompts,
+        contenders=[
+            Contender(BASELINE, {}, family="baseline", params_label="greedy"),
+            Contender("fast", {}, family="hf_selfspec", params_label="default"),
+        ],
+        runs={BASELINE: baseline, "fast": fast},
+        max_new_tokens=4,
+        repeats=3,
+    )
+    results = results_document(measurements, machine={}, skip_sets={}, command={})
+    fast_figures = results["contenders"][1]
+    assert fast_figures["speedup"] == {"median": 2.0, "min": 0.5, "max": 4.0, "per_repeat": [2.0, 4.0, 0.5]}
+    assert fast_figures["identical"] is False
+    assert fast_figures["mismatched_prompts"] == ["b"]
+    assert [p["first_difference"] for p in fast_figures["per_prompt"]] == [None, 1]
+    assert fast_figures["accepted_length_counts"] == {"0": 1, "1": 3, "2": 2}
+    assert fast_figures["mean_accepted_length"] == pytest.approx(7 / 6)
+    assert fast_figures["acceptance_rate"] == pytest.approx(7 / 12)
+    assert results["contenders"][0]["acceptance_rate"] is None
+    assert set(results["categories"]) == {"code", "uncategorized"}
+    assert results["categories"]["code"]["contenders"]["fast"]["identical"] is True
+    assert results["categories"]["uncategorized"]["contenders"]["fast"]["identical"] is False
+
+
+def test_tuned_profile_drives_its_strategy_only(tiny_llama_dir, tmp_path):
+    config = tmp_path / "generation_config.json"
+    profile = {"strategy": "self_speculative", "params": {"attn_skip_layers": [1], "max_draft_tokens": 3}}
+    config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir), device="cpu", generation_config=config)
+    by_name = {c.name: c for c in build_contenders(model, hf_selfspec.available_strategies())}
+    tuned = by_name["self_speculative"]
+    assert tuned.params_label == "tuned"
+    assert tuned.generate_kwargs["attn_skip_layers"] == [1]
+    assert tuned.generate_kwargs["max_draft_tokens"] == 3
+    for name in set(hf_selfspec.available_strategies()) - {"self_speculative"}:
+        assert by_name[name].params_label == "default"
+        assert by_name[name].generate_kwargs["attn_skip_layers"] == [2]
+        assert by_name[name].generate_kwargs["max_draft_tokens"] != 3
+    assert by_name[BASELINE].generate_kwargs["strategy"] == "plain"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"prompt": "ok"}\n{"prompt": "unterminated\n', ":2: not valid JSON"),
+        ('{"prompt": "ok"}\n\n["a list"]\n', ":3: expected a JSON object"),
+        ('{"prompt": "ok"}\n{"category": "code"}\n', ":2: needs a 'prompt' string or a 'messages' list"),
+    ],
+)
+def test_malformed_prompt_file_names_its_line(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    status = main(["bench", "--prompts", str(path), "--output", str(tmp_path / "out")])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert f"{path}{message}" in err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "{tmp}/no-such-model"], "cannot load --model"),
+        (["--config", "{tmp}/missing.json"], "--config {tmp}/missing.json: cannot read it"),
+        (["--config", "{tmp}/broken.json"], "--config {tmp}/broken.json: not valid JSON"),
+        (["--output", "{tmp}/broken.json"], "--output {tmp}/broken.json: cannot create it"),
+    ],
+)
+def test_bad_model_config_or_output_is_one_line(tmp_path, capsys, flags, message):
+    (tmp_path / "broken.json").write_text("{not json")
+    argv = ["bench", *(flag.format(tmp=tmp_path) for flag in flags), *BENCH_FLAGS]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.format(tmp=tmp_path) in err
+    assert len(err.splitlines()) == 1
+
+
+def test_chat_alias_is_the_packaged_chat_set():
+    prompts = load_prompts(prompt_source("chat"))
+    assert len(prompts) == 20
+    assert len({p.id for p in prompts}) == 20
+    assert all(p.category == "chat" and p.messages and p.messages[0]["role"] == "user" for p in prompts)
+
+
+def test_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in [
+        "--model", "--gguf-file", "--config", "--prompts", "--n-prompts", "--prompt-offset",
+        "--max-new-tokens", "--repeats", "--assistant", "--device", "--dtype", "--output",
+        "results.json", "speedup.png", "acceptance.png",
+    ]:  # fmt: skip
+        assert option in text
