@@ -1,0 +1,158 @@
+"""`hf-selfspec push` against a fake Hub served on 127.0.0.1: never the network.
+
+huggingface_hub reads HF_HUB_OFFLINE and the token location when it is imported, so every case
+runs the CLI in a subprocess with exactly the environment it needs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from tuning_helpers import cli_env, run_cli
+
+from hf_selfspec.profiles import PROFILE_KEY
+
+REPO = "hf-selfspec-test/tiny"
+
+
+class _FakeHub(BaseHTTPRequestHandler):
+    """Answers the two requests a one-file commit needs and records every request it sees."""
+
+    requests: list[dict]
+
+    def do_POST(self):
+        url = urlsplit(self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.requests.append(
+            {"path": url.path, "query": parse_qs(url.query), "body": body, "auth": self.headers.get("Authorization")}
+        )
+        base = f"http://127.0.0.1:{self.server.server_port}"
+        if url.path == f"/api/models/{REPO}/preupload/main":
+            files = json.loads(body)["files"]
+            self._reply(
+                200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+            )
+        elif url.path == f"/api/models/{REPO}/commit/main":
+            self._reply(
+                200,
+                {
+                    "commitUrl": f"{base}/{REPO}/commit/{'a' * 40}",
+                    "commitOid": "a" * 40,
+                    "pullRequestUrl": f"{base}/{REPO}/discussions/1",
+                },
+            )
+        else:
+            self._reply(404, {"error": f"unexpected {url.path}"})
+
+    do_GET = do_HEAD = do_PUT = do_POST
+
+    def _reply(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_hub():
+    handler = type("Handler", (_FakeHub,), {"requests": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", handler.requests
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    profile = {
+        "strategy": "self_speculative",
+        "params": {"attn_skip_layers": [2], "mlp_skip_layers": [2]},
+        "measured": {"speedup": 1.25, "study": "tiny"},
+    }
+    path = tmp_path / "out" / "generation_config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"eos_token_id": 2, PROFILE_KEY: {"cpu/float32": profile}}, indent=2))
+    return path
+
+
+def _online_env(tmp_path, **overrides):
+    """Offline mode off, no stored token, and no proxy between us and 127.0.0.1."""
+    online = {
+        "HF_HUB_OFFLINE": None,
+        "TRANSFORMERS_OFFLINE": None,
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "HF_TOKEN": "hf_fake_token",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+    return cli_env(**{**online, **overrides})
+
+
+def _committed_files(commit_body: bytes) -> dict[str, bytes]:
+    lines = [json.loads(line) for line in commit_body.decode().splitlines()]
+    return {
+        line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines if line["key"] == "file"
+    }
+
+
+def test_push_opens_a_pull_request_with_exactly_the_config(fake_hub, config_file, tmp_path):
+    endpoint, requests = fake_hub
+    before = (config_file.read_bytes(), config_file.stat().st_mtime_ns)
+    result = run_cli("push", "--config", config_file, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"{endpoint}/{REPO}/discussions/1" in result.stdout
+    assert [r["path"] for r in requests] == [f"/api/models/{REPO}/preupload/main", f"/api/models/{REPO}/commit/main"]
+    assert all(r["query"].get("create_pr") == ["1"] for r in requests)
+    assert all(r["auth"] == "Bearer hf_fake_token" for r in requests)
+    assert _committed_files(requests[1]["body"]) == {"generation_config.json": before[0]}
+    assert (config_file.read_bytes(), config_file.stat().st_mtime_ns) == before
+
+
+def test_no_create_pr_commits_directly(fake_hub, config_file, tmp_path):
+    endpoint, requests = fake_hub
+    result = run_cli(
+        "push",
+        "--config",
+        config_file,
+        "--repo",
+        REPO,
+        "--endpoint",
+        endpoint,
+        "--no-create-pr",
+        env=_online_env(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"Committed: {endpoint}/{REPO}/commit/" in result.stdout
+    assert all("create_pr" not in r["query"] for r in requests)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"HF_TOKEN": None}, "no Hugging Face token"),
+        ({"HF_HUB_OFFLINE": "1"}, "offline"),
+    ],
+    ids=["no-token", "offline"],
+)
+def test_push_refuses_clearly_and_leaves_the_file_alone(fake_hub, config_file, tmp_path, overrides, message):
+    endpoint, requests = fake_hub
+    before = (config_file.read_bytes(), config_file.stat().st_mtime_ns)
+    result = run_cli(
+        "push", "--config", config_file, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path, **overrides)
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert requests == []
+    assert (config_file.read_bytes(), config_file.stat().st_mtime_ns) == before

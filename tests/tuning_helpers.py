@@ -1,0 +1,121 @@
+"""Shared by the tuner's tests: study configs for the tiny model, the CLI as a real subprocess,
+and a study that looks tuned without running a model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+
+from tuning.config import SearchConfig
+from tuning.space import skip_ratio, suggest_params, warm_start_trials
+from tuning.storage import StudyContext
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_study_config(
+    path: Path,
+    model_dir: Path,
+    storage: str,
+    *,
+    strategy: str = "self_speculative",
+    n_prompts: int = 2,
+    max_new_tokens: int = 8,
+    study: str = "",
+) -> Path:
+    """A study config for the tiny model; `study` adds lines to its [study] table."""
+    path.write_text(
+        f"""
+[model]
+name = "{model_dir}"
+
+[prompts]
+n_prompts = {n_prompts}
+max_new_tokens = {max_new_tokens}
+
+[search]
+strategy = "{strategy}"
+
+[study]
+storage = "{storage}"
+seed = 0
+{study}
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def cli_env(**overrides: str | None) -> dict[str, str]:
+    """The environment for a CLI subprocess: offline, importing this checkout, one torch thread
+    (tests may run two workers at once on two cores; oversubscribed threads crawl)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def cli_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hf_selfspec.cli", *map(str, args)]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cli_command(*args), env=env or cli_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def make_tuned_looking_study(
+    storage_url: str, name: str, model_dir: Path, num_layers: int = 4, speedups=(0.8, 1.2, 1.1)
+) -> optuna.Study:
+    """A study shaped like `tune` leaves one (context, user attrs, warm-start parameters), with
+    made-up measurements: for tests of export and the dashboard that need no model run."""
+    search = SearchConfig()
+    study = optuna.create_study(storage=storage_url, study_name=name, direction="maximize")
+    StudyContext(
+        model=str(model_dir),
+        gguf_file=None,
+        dtype="float32",
+        device_key="cpu/float32",
+        strategy=search.strategy,
+        num_layers=num_layers,
+        prompt_source="humaneval",
+        n_prompts=2,
+        prompt_offset=0,
+        max_new_tokens=8,
+        baseline_tokens_per_second=100.0,
+        versions={"optuna": optuna.__version__},
+    ).save(study)
+    for params, speedup in zip(warm_start_trials(search, num_layers), speedups, strict=False):
+        study.enqueue_trial(params)
+        trial = study.ask()
+        decoded = suggest_params(trial, search, num_layers)  # takes the enqueued values
+        attrs = {
+            "speedup": speedup,
+            "acceptance_rate": 0.5,
+            "mean_accepted_length": 1.5,
+            "tokens_per_second": 100.0 * speedup,
+            "baseline_tokens_per_second": 100.0,
+            "skip_ratio": skip_ratio(decoded, num_layers),
+            "attn_skip_layers": decoded["attn_skip_layers"],
+            "mlp_skip_layers": decoded["mlp_skip_layers"],
+        }
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, speedup)
+    return study

@@ -1,0 +1,219 @@
+"""Argument wiring for `hf-selfspec tune | dashboard | export | push | quickstart`.
+
+Only argparse lives here; each command's work is in its own module, imported when the command
+runs, so the tuner's dependencies (optuna, optuna-dashboard, the Hub client) load only then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from pathlib import Path
+
+from . import TuningError
+
+STORAGE_HELP = (
+    "SQLAlchemy URL of the Optuna storage, e.g. sqlite:///studies/optuna.db or "
+    "postgresql+psycopg2://user:pass@host/db (default: sqlite:///studies/optuna.db, relative to the "
+    "current directory)"
+)
+TUNE_STORAGE_HELP = STORAGE_HELP.replace("(default: ", "(default: the config's [study] storage, else ")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _reporting(command: str):
+    """Run a command with the tuner's log lines shown, and user errors printed without a traceback."""
+
+    def wrap(func):
+        @functools.wraps(func)
+        def run(args: argparse.Namespace) -> int:
+            from hf_selfspec.embedded import EmbeddedModelMissing
+            from hf_selfspec.prompts import PromptFileError
+
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+            tuning_logger = logging.getLogger("tuning")
+            tuning_logger.addHandler(handler)
+            tuning_logger.setLevel(logging.INFO)
+            try:
+                return func(args)
+            except (TuningError, PromptFileError, EmbeddedModelMissing) as error:
+                print(f"hf-selfspec {command}: error: {error}", file=sys.stderr)
+                return 2
+            except ModuleNotFoundError as error:
+                # The tuner's dependencies load when a command runs, so a missing extra shows here.
+                print(
+                    f"hf-selfspec {command} needs {error.name}: pip install 'hf-selfspec[tuning]'",
+                    file=sys.stderr,
+                )
+                return 2
+            finally:
+                tuning_logger.removeHandler(handler)
+
+        return run
+
+    return wrap
+
+
+@_reporting("tune")
+def _tune(args: argparse.Namespace) -> int:
+    from .config import load_study_config
+    from .tune import format_summary, run_tune
+
+    config = load_study_config(args.study).with_overrides(args.n_prompts, args.max_new_tokens)
+    outcome = run_tune(config, args.storage, args.n_trials, args.timeout, show_progress=not args.no_progress)
+    print(format_summary(outcome))
+    return 0
+
+
+@_reporting("dashboard")
+def _dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import serve
+    from .storage import resolve_storage_url
+
+    serve(resolve_storage_url(args.storage), args.host, args.port)
+    return 0
+
+
+@_reporting("export")
+def _export(args: argparse.Namespace) -> int:
+    from .export import check_loadable, export_profile
+    from .storage import resolve_storage_url
+
+    result = export_profile(resolve_storage_url(args.storage), args.study, args.output)
+    profiles = check_loadable(result.path)
+    measured = result.profile.measured
+    print(
+        f"Wrote profile {result.key!r} ({result.profile.strategy}, {measured['speedup']:.2f}x, "
+        f"acceptance {measured['acceptance_rate']:.0%}, trial {measured['trial']}) to {result.path}"
+    )
+    print(f"It now holds profiles for: {', '.join(sorted(profiles))}")
+    return 0
+
+
+@_reporting("push")
+def _push(args: argparse.Namespace) -> int:
+    from .hub import push_config
+
+    url = push_config(args.config, args.repo, create_pr=args.create_pr, endpoint=args.endpoint)
+    print(f"{'Opened pull request' if args.create_pr else 'Committed'}: {url}")
+    return 0
+
+
+@_reporting("quickstart")
+def _quickstart(args: argparse.Namespace) -> int:
+    from .quickstart import run_quickstart
+
+    return run_quickstart(args.output, args.n_trials, args.storage, show_progress=not args.no_progress)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    tune = subparsers.add_parser(
+        "tune",
+        help="search skip sets and thresholds for a model with Optuna (resumable, shareable)",
+        description="Run an Optuna study described by a study config (TOML). Each trial measures its speedup "
+        "over plain greedy generate on the study's prompts, interleaved with it, and fails if its tokens "
+        "differ. Trials are stored as they finish: re-running the same config resumes the study, and "
+        "several processes or machines given the same --storage share it.",
+    )
+    tune.add_argument("study", type=Path, metavar="STUDY.toml", help="study config, e.g. studies/smollm2-135m.toml")
+    tune.add_argument(
+        "--n-trials",
+        type=_positive_int,
+        metavar="N",
+        help="run N trials in this process (default: until the study holds the config's [study] n_trials)",
+    )
+    tune.add_argument("--timeout", type=_positive_float, metavar="S", help="stop starting new trials after S seconds")
+    tune.add_argument("--storage", metavar="URL", help=TUNE_STORAGE_HELP)
+    tune.add_argument(
+        "--n-prompts",
+        type=_positive_int,
+        metavar="N",
+        help="override [prompts] n_prompts (a different prompt set makes a different study)",
+    )
+    tune.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="override [prompts] max_new_tokens (a different value makes a different study)",
+    )
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar (one line per trial remains)")
+    tune.set_defaults(func=_tune)
+
+    dashboard = subparsers.add_parser(
+        "dashboard",
+        help="browse the studies with optuna-dashboard",
+        description="Serve optuna-dashboard on the study storage. Each study tuned here carries a note with "
+        "the model, device, prompts, plain tokens/s and its best trial in words.",
+    )
+    dashboard.add_argument("--storage", metavar="URL", help=STORAGE_HELP)
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    dashboard.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
+    dashboard.set_defaults(func=_dashboard)
+
+    export = subparsers.add_parser(
+        "export",
+        help="write a study's best trial as a tuned profile into DIR/generation_config.json",
+        description="Add (or replace) the tuned profile for the study's device and dtype in "
+        "DIR/generation_config.json, starting from the file already there, else from the model's own "
+        "generation config. Profiles for other devices are kept and nothing else in DIR changes, so DIR "
+        "may be the model's directory. List study names with `optuna studies --storage URL`.",
+    )
+    export.add_argument("--study", required=True, metavar="NAME", help="study name, as printed by tune")
+    export.add_argument("--storage", metavar="URL", help=STORAGE_HELP)
+    export.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory to write into")
+    export.set_defaults(func=_export)
+
+    push = subparsers.add_parser(
+        "push",
+        help="upload a tuned generation_config.json to a Hub repository (a pull request by default)",
+        description="Upload one file, as generation_config.json, to a model repository on the Hugging Face "
+        "Hub and print the pull request's (or commit's) URL. Needs a token (`hf auth login` or HF_TOKEN) "
+        "and HF_HUB_OFFLINE unset. The local file is only read.",
+    )
+    push.add_argument("--config", required=True, type=Path, metavar="FILE", help="the generation_config.json to upload")
+    push.add_argument("--repo", required=True, metavar="ORG/NAME", help="model repository id")
+    push.add_argument(
+        "--create-pr",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="open a pull request (the default); --no-create-pr commits to the main branch directly",
+    )
+    push.add_argument("--endpoint", metavar="URL", help="Hub endpoint (default: huggingface_hub's, or HF_ENDPOINT)")
+    push.set_defaults(func=_push)
+
+    quickstart = subparsers.add_parser(
+        "quickstart",
+        help="tune the embedded model briefly, export the profile and generate with it",
+        description="The whole loop on the CPU in a few minutes: a short tune of the embedded SmolLM2-135M "
+        "on two HumanEval prompts, an export of the best trial, then the model loaded with the exported "
+        "config decoding a held-out prompt, compared with plain generate.",
+    )
+    quickstart.add_argument(
+        "--output",
+        type=Path,
+        default=Path("studies/out/quickstart"),
+        metavar="DIR",
+        help="where to write generation_config.json (default: %(default)s)",
+    )
+    quickstart.add_argument(
+        "--n-trials", type=_positive_int, default=8, metavar="N", help="trials to run (default: %(default)s)"
+    )
+    quickstart.add_argument("--storage", metavar="URL", help=STORAGE_HELP)
+    quickstart.add_argument("--no-progress", action="store_true", help="no progress bar")
+    quickstart.set_defaults(func=_quickstart)

@@ -1,0 +1,260 @@
+"""Study config files (TOML): what to tune, on what, and how long.
+
+Parsing is strict: an unknown section or key, or a value of the wrong type, is an error that
+names the file and the key, because a typo in a tuning config otherwise costs hours of search
+with a setting silently left at its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_selfspec.loading import EMBEDDED, parse_dtype
+from hf_selfspec.prompts import HUMANEVAL
+
+from . import TuningError
+from .space import KNOBS, STRATEGY_KNOBS
+
+SAMPLERS = ("tpe", "random")
+PRUNERS = ("median", "none")
+
+
+class StudyConfigError(TuningError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = EMBEDDED
+    gguf_file: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    source: str = HUMANEVAL
+    n_prompts: int = 8
+    offset: int = 0
+    max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    strategy: str = "self_speculative"
+    # Configured ranges by knob name; a knob of the strategy that is not listed uses its default.
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    warm_start_skip_ratios: tuple[float, ...] = (0.25, 0.4, 0.5)
+
+    def range_of(self, knob: str) -> tuple[float, float]:
+        return self.ranges.get(knob, KNOBS[knob].default_range)
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    name: str | None = None
+    storage: str | None = None
+    sampler: str = "tpe"
+    seed: int | None = None
+    n_trials: int = 100
+    timeout: float | None = None
+    pruner: str = "median"
+    heartbeat_interval: int = 30
+    grace_period: int = 120
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    model: ModelConfig = ModelConfig()
+    prompts: PromptConfig = PromptConfig()
+    search: SearchConfig = SearchConfig()
+    study: StudySettings = StudySettings()
+
+    def with_overrides(self, n_prompts: int | None = None, max_new_tokens: int | None = None) -> StudyConfig:
+        """The config with command-line overrides of the prompt set applied."""
+        changes = {k: v for k, v in (("n_prompts", n_prompts), ("max_new_tokens", max_new_tokens)) if v is not None}
+        return dataclasses.replace(self, prompts=dataclasses.replace(self.prompts, **changes))
+
+
+_SECTIONS = {"model": ModelConfig, "prompts": PromptConfig, "search": SearchConfig, "study": StudySettings}
+# `search` spells each knob's range as its own key; `ranges` is only the parsed form.
+_SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", *KNOBS}
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+
+
+class _Reader:
+    """Typed access to one parsed file, every message naming the file and the dotted key."""
+
+    def __init__(self, path: Path, data: dict[str, Any]):
+        self.path = path
+        self.data = data
+
+    def error(self, key: str, problem: str) -> StudyConfigError:
+        return StudyConfigError(f"{self.path}: {key}: {problem}")
+
+    def section(self, name: str, known: set[str]) -> dict[str, Any]:
+        table = self.data.get(name, {})
+        if not isinstance(table, dict):
+            raise self.error(name, f"must be a [{name}] table, got {table!r}")
+        for key in table:
+            if key not in known:
+                raise self.error(f"{name}.{key}", f"unknown key; [{name}] takes {', '.join(sorted(known))}")
+        return table
+
+    def get(self, table: dict[str, Any], section: str, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        if key not in table:
+            return default
+        value = table[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # TOML booleans are Python ints; a `true` where a count belongs is a mistake, not 1.
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            expected = " or ".join(_KIND_NAMES[k] for k in kinds)
+            raise self.error(f"{section}.{key}", f"must be {expected}, got {value!r}")
+        return float(value) if float in kinds else value
+
+    def at_least(self, table: dict[str, Any], section: str, key: str, minimum: int, default: Any) -> Any:
+        value = self.get(table, section, key, int, default)
+        if value is not None and value < minimum:
+            raise self.error(f"{section}.{key}", f"must be at least {minimum}, got {value}")
+        return value
+
+    def choice(self, table: dict[str, Any], section: str, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = self.get(table, section, key, str, default)
+        if value not in choices:
+            raise self.error(f"{section}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+
+def _model(reader: _Reader) -> ModelConfig:
+    table = reader.section("model", {f.name for f in dataclasses.fields(ModelConfig)})
+    defaults = ModelConfig()
+    dtype = reader.get(table, "model", "dtype", str, defaults.dtype)
+    try:
+        parse_dtype(dtype)
+    except ValueError as error:
+        raise reader.error("model.dtype", str(error)) from None
+    device = reader.get(table, "model", "device", str, defaults.device)
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise reader.error("model.device", f"not a torch device: {device!r} (cpu, cuda, cuda:1, mps, ...)") from None
+    return ModelConfig(
+        name=reader.get(table, "model", "name", str, defaults.name),
+        gguf_file=reader.get(table, "model", "gguf_file", str, None),
+        dtype=dtype,
+        device=device,
+    )
+
+
+def _prompts(reader: _Reader) -> PromptConfig:
+    table = reader.section("prompts", {f.name for f in dataclasses.fields(PromptConfig)})
+    defaults = PromptConfig()
+    source = reader.get(table, "prompts", "source", str, defaults.source)
+    if source != HUMANEVAL:
+        # A prompt file is named relative to the config, so a study directory can be moved whole.
+        resolved = (reader.path.parent / source).resolve()
+        if not resolved.is_file():
+            raise reader.error("prompts.source", f"{source!r} is neither {HUMANEVAL!r} nor a JSONL file ({resolved})")
+        source = str(resolved)
+    return PromptConfig(
+        source=source,
+        n_prompts=reader.at_least(table, "prompts", "n_prompts", 1, defaults.n_prompts),
+        offset=reader.at_least(table, "prompts", "offset", 0, defaults.offset),
+        max_new_tokens=reader.at_least(table, "prompts", "max_new_tokens", 1, defaults.max_new_tokens),
+    )
+
+
+def _knob_range(reader: _Reader, name: str, value: Any) -> tuple[float, float]:
+    knob = KNOBS[name]
+    key = f"search.{name}"
+    number = (int,) if knob.kind is int else (int, float)
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, number) and not isinstance(v, bool) for v in value)
+    ):
+        kind = "integers" if knob.kind is int else "numbers"
+        raise reader.error(key, f"must be a [low, high] pair of {kind}, got {value!r}")
+    low, high = (knob.kind(v) for v in value)
+    lower_limit, upper_limit = knob.limits
+    if low > high:
+        raise reader.error(key, f"low {low} is above high {high}")
+    if lower_limit is not None and low < lower_limit or upper_limit is not None and high > upper_limit:
+        raise reader.error(key, f"[{low}, {high}] leaves the allowed range [{lower_limit}, {upper_limit or '∞'}]")
+    if knob.log and low <= 0:
+        raise reader.error(key, f"is searched on a log scale, so low must be above 0, got {low}")
+    return low, high
+
+
+def _search(reader: _Reader) -> SearchConfig:
+    table = reader.section("search", _SEARCH_KEYS)
+    defaults = SearchConfig()
+    strategy = reader.choice(table, "search", "strategy", tuple(STRATEGY_KNOBS), defaults.strategy)
+    ranges = {}
+    for name in KNOBS:
+        if name not in table:
+            continue
+        if name not in STRATEGY_KNOBS[strategy]:
+            users = [s for s, knobs in STRATEGY_KNOBS.items() if name in knobs]
+            raise reader.error(
+                f"search.{name}", f"strategy {strategy!r} does not read it (only {', '.join(users)} does)"
+            )
+        ranges[name] = _knob_range(reader, name, table[name])
+    ratios = table.get("warm_start_skip_ratios", list(defaults.warm_start_skip_ratios))
+    if not isinstance(ratios, list) or not all(
+        isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < 1 for r in ratios
+    ):
+        raise reader.error(
+            "search.warm_start_skip_ratios", f"must be a list of numbers between 0 and 1, got {ratios!r}"
+        )
+    return SearchConfig(strategy=strategy, ranges=ranges, warm_start_skip_ratios=tuple(float(r) for r in ratios))
+
+
+def _study(reader: _Reader) -> StudySettings:
+    table = reader.section("study", {f.name for f in dataclasses.fields(StudySettings)})
+    defaults = StudySettings()
+    timeout = reader.get(table, "study", "timeout", (int, float), None)
+    if timeout is not None and timeout <= 0:
+        raise reader.error("study.timeout", f"must be a positive number of seconds, got {timeout}")
+    settings = StudySettings(
+        name=reader.get(table, "study", "name", str, None),
+        storage=reader.get(table, "study", "storage", str, None),
+        sampler=reader.choice(table, "study", "sampler", SAMPLERS, defaults.sampler),
+        seed=reader.get(table, "study", "seed", int, None),
+        n_trials=reader.at_least(table, "study", "n_trials", 1, defaults.n_trials),
+        timeout=timeout,
+        pruner=reader.choice(table, "study", "pruner", PRUNERS, defaults.pruner),
+        heartbeat_interval=reader.at_least(table, "study", "heartbeat_interval", 1, defaults.heartbeat_interval),
+        grace_period=reader.at_least(table, "study", "grace_period", 1, defaults.grace_period),
+    )
+    if settings.grace_period <= settings.heartbeat_interval:
+        # A live worker would see its own running trial declared dead between two heartbeats.
+        raise reader.error(
+            "study.grace_period",
+            f"must exceed heartbeat_interval ({settings.heartbeat_interval}), got {settings.grace_period}",
+        )
+    return settings
+
+
+def load_study_config(path: str | Path) -> StudyConfig:
+    path = Path(path)
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError:
+        raise StudyConfigError(f"{path}: no such study config") from None
+    except tomllib.TOMLDecodeError as error:
+        raise StudyConfigError(f"{path}: not valid TOML ({error})") from None
+    reader = _Reader(path, data)
+    for section in data:
+        if section not in _SECTIONS:
+            raise reader.error(section, f"unknown section; a study config has {', '.join(f'[{s}]' for s in _SECTIONS)}")
+    return StudyConfig(model=_model(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader))

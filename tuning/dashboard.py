@@ -1,0 +1,117 @@
+"""The dashboard: optuna-dashboard on the study storage, and the markdown note each study carries.
+
+The note is what a person opening the dashboard needs before any plot: what was measured
+(model, device, prompts), how fast plain decoding was, and the best trial in words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from .storage import StudyContext, display_url, open_storage
+
+
+def _layer_list(layers: Iterable[int]) -> str:
+    """`1, 3-5, 9`: runs of consecutive layers collapsed, so a 30-layer skip set stays readable."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _skips_in_words(attrs: dict[str, Any]) -> str:
+    parts = [
+        f"{name} in layers {_layer_list(attrs[key])}"
+        for name, key in (("attention", "attn_skip_layers"), ("the MLP", "mlp_skip_layers"))
+        if attrs.get(key)
+    ]
+    return "skips " + " and ".join(parts) if parts else "skips nothing (the draft is the full model)"
+
+
+def _knobs_in_words(params: dict[str, Any]) -> str:
+    words = [f"drafts up to {params['max_draft_tokens']} tokens"]
+    if "target_acceptance" in params:
+        words.append(
+            f"starts its exit threshold at {params['draft_exit_threshold']:.2f} and steers it towards "
+            f"{params['target_acceptance']:.0%} acceptance in steps of {params['threshold_step']:.3g}"
+        )
+    else:
+        words.append(f"ends a draft once its confidence falls below {params['draft_exit_threshold']:.2f}")
+    if "target_confidence_threshold" in params:
+        words.append(f"drafts only after the full model was at least {params['target_confidence_threshold']:.0%} sure")
+    return ", ".join(words)
+
+
+def describe_trial(trial: optuna.trial.FrozenTrial) -> str:
+    """One trial's result and configuration as a sentence."""
+    attrs = trial.user_attrs
+    return (
+        f"Trial {trial.number} decodes {trial.value:.2f}x as fast as plain greedy decoding "
+        f"({attrs['tokens_per_second']:.1f} vs {attrs['baseline_tokens_per_second']:.1f} tokens/s). "
+        f"Its draft {_skips_in_words(attrs)} ({attrs['skip_ratio']:.0%} of sub-layers) and "
+        f"{_knobs_in_words(trial.params)}; {attrs['acceptance_rate']:.0%} of drafted tokens were accepted, "
+        f"{attrs['mean_accepted_length']:.2f} per verification."
+    )
+
+
+def count_states(trials: Iterable[optuna.trial.FrozenTrial]) -> dict[TrialState, int]:
+    counts = {state: 0 for state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    for trial in trials:
+        if trial.state in counts:
+            counts[trial.state] += 1
+    return counts
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The best complete trial, or None; `study.best_trial` raises when there is none."""
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return max(complete, key=lambda trial: trial.value) if complete else None
+
+
+def study_note(study: optuna.Study) -> str:
+    context = StudyContext.load(study)
+    counts = count_states(study.get_trials(deepcopy=False))
+    best = best_trial(study)
+    model = context.model + (f" ({context.gguf_file})" if context.gguf_file else "")
+    offset = f", from #{context.prompt_offset}" if context.prompt_offset else ""
+    lines = [
+        f"## {study.study_name}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Model | `{model}`, {context.num_layers} layers |",
+        f"| Device | `{context.device_key}` |",
+        f"| Strategy | `{context.strategy}` |",
+        f"| Prompts | {context.n_prompts} from `{context.prompt_source}`{offset}, "
+        f"{context.max_new_tokens} new tokens each |",
+        f"| Plain greedy | {context.baseline_tokens_per_second:.1f} tokens/s |",
+        f"| Trials | {counts[TrialState.COMPLETE]} complete, {counts[TrialState.PRUNED]} pruned, "
+        f"{counts[TrialState.FAIL]} failed |",
+        "",
+        f"**Best so far.** {describe_trial(best)}" if best else "No trial has completed yet.",
+        "",
+        f"Export it with `hf-selfspec export --study '{study.study_name}' --output DIR`.",
+    ]
+    return "\n".join(lines)
+
+
+def write_study_note(study: optuna.Study) -> None:
+    from optuna_dashboard import save_note
+
+    save_note(study, study_note(study))
+
+
+def serve(storage_url: str, host: str, port: int) -> None:
+    """Serve the dashboard until interrupted (optuna-dashboard's own server, on our storage)."""
+    from optuna_dashboard import run_server
+
+    storage = open_storage(storage_url)
+    print(f"Dashboard for {display_url(storage_url)} at http://{host}:{port}/ (Ctrl-C to stop)", flush=True)
+    run_server(storage, host=host, port=port)

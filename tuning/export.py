@@ -1,0 +1,144 @@
+"""Exporting a study's best trial as a tuned profile in `DIR/generation_config.json`.
+
+The file starts as the one already in DIR, or else the model's own generation config, and only
+this device's profile is added or replaced (in the format `hf_selfspec.profiles` defines), so
+one config file collects profiles measured on many machines. Nothing else in DIR is touched,
+which makes DIR safely a model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hf_selfspec.loading import EMBEDDED
+from hf_selfspec.profiles import TunedProfile, read_profiles, write_profile
+
+from . import TuningError
+from .dashboard import best_trial, count_states
+from .space import decode_params
+from .storage import StudyContext, load_existing_study
+
+CONFIG_NAME = "generation_config.json"
+
+
+class ExportError(TuningError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    key: str
+    profile: TunedProfile
+
+
+def _model_generation_config(context: StudyContext) -> dict[str, Any]:
+    """The tuned model's own generation config, as the dict `save_pretrained` would write.
+
+    A GGUF file carries no generation config, so for one without a `generation_config.json`
+    beside it the config is derived from the model config, as transformers does when loading.
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    if context.model == EMBEDDED:
+        from hf_selfspec.embedded import converted_model_dir
+
+        source: str | Path = converted_model_dir()
+    else:
+        source = context.model
+    try:
+        try:
+            config = GenerationConfig.from_pretrained(source)
+        except OSError:
+            extra = {"gguf_file": context.gguf_file} if context.gguf_file else {}
+            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(source, **extra))
+    except (OSError, ValueError) as error:
+        raise ExportError(f"cannot read the generation config of {context.model}: {error}") from None
+    return json.loads(config.to_json_string(use_diff=True))
+
+
+def _read_existing(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ExportError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: must hold a JSON object")
+    return data
+
+
+def _write_atomically(path: Path, data: dict[str, Any]) -> None:
+    """Write through a temporary file and a rename, so a crash never leaves half a config."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        # mkstemp makes the file private; a model directory's config is meant to be read by all.
+        os.chmod(temporary, path.stat().st_mode if path.exists() else 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def best_profile(study, context: StudyContext) -> TunedProfile:
+    """The study's best complete trial as a profile, with what it was measured on."""
+    best = best_trial(study)
+    if best is None:
+        counts = count_states(study.get_trials(deepcopy=False))
+        raise ExportError(
+            f"study {study.study_name!r} has no completed trial yet ({sum(counts.values())} finished: "
+            f"{', '.join(f'{n} {s.name.lower()}' for s, n in counts.items())}); run `hf-selfspec tune` first"
+        )
+    attrs = best.user_attrs
+    measured = {
+        "speedup": best.value,
+        "acceptance_rate": attrs["acceptance_rate"],
+        "mean_accepted_length": attrs["mean_accepted_length"],
+        "tokens_per_second": attrs["tokens_per_second"],
+        "baseline_tokens_per_second": attrs["baseline_tokens_per_second"],
+        "prompts": {
+            "source": context.prompt_source,
+            "n_prompts": context.n_prompts,
+            "offset": context.prompt_offset,
+            "max_new_tokens": context.max_new_tokens,
+        },
+        "study": study.study_name,
+        "trial": best.number,
+        "measured_at": best.datetime_complete.isoformat(timespec="seconds") if best.datetime_complete else None,
+        "versions": context.versions,
+    }
+    return TunedProfile(context.strategy, decode_params(best.params, context.strategy, context.num_layers), measured)
+
+
+def export_profile(storage_url: str, study_name: str, output_dir: str | Path) -> ExportResult:
+    study = load_existing_study(storage_url, study_name)
+    context = StudyContext.load(study)
+    profile = best_profile(study, context)
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ExportError(f"--output {output_dir} is a file; give the directory to write {CONFIG_NAME} into")
+    path = output_dir / CONFIG_NAME
+    data = _read_existing(path) if path.is_file() else _model_generation_config(context)
+    # transformers drops every key it does not know, our profiles included, when it loads a
+    # config marked as derived from the model config; with a profile in it, it no longer is.
+    data.pop("_from_model_config", None)
+    try:
+        write_profile(data, context.device_key, profile)  # validates the profiles already there
+    except ValueError as error:
+        raise ExportError(f"{path if path.is_file() else context.model}: {error}") from None
+    output_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, data)
+    return ExportResult(path, context.device_key, profile)
+
+
+def check_loadable(path: Path) -> dict[str, TunedProfile]:
+    """The profiles of a written config, read back the way a model loading it reads them."""
+    from transformers import GenerationConfig
+
+    return read_profiles(GenerationConfig.from_pretrained(path.parent, config_file_name=path.name))

@@ -1,0 +1,77 @@
+"""Sharing a tuned `generation_config.json` on the Hub: one file, as a pull request by default.
+
+A pull request is the default because a tuned profile changes how everyone's `generate` runs on
+that hardware; the repository's owners should get to look first. The local file is only read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import TuningError
+from .export import CONFIG_NAME, check_loadable
+
+
+class PushError(TuningError):
+    pass
+
+
+def _commit_text(profiles) -> tuple[str, str]:
+    keys = ", ".join(sorted(profiles))
+    lines = []
+    for key, profile in sorted(profiles.items()):
+        measured = profile.measured
+        speed = f"{measured['speedup']:.2f}x" if "speedup" in measured else "speedup not recorded"
+        lines.append(f"- `{key}`: `{profile.strategy}`, {speed} (study {measured.get('study', '?')!r})")
+    description = "Tuned self-speculative decoding profiles (hf-selfspec):\n\n" + "\n".join(lines)
+    return f"Add self-speculative profiles for {keys}", description
+
+
+def push_config(
+    config_path: str | Path,
+    repo_id: str,
+    create_pr: bool = True,
+    endpoint: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Upload `config_path` as the repository's `generation_config.json`; returns the URL of the
+    pull request (or of the commit, with `create_pr=False`)."""
+    import httpx2
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.constants import is_offline_mode
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+
+    path = Path(config_path)
+    if not path.is_file():
+        raise PushError(f"{path}: no such file; write it with `hf-selfspec export`")
+    try:
+        profiles = check_loadable(path)
+    except (ValueError, OSError) as error:
+        raise PushError(f"{path}: {error}") from None
+    if not profiles:
+        raise PushError(f"{path} holds no self-speculative profile; write one with `hf-selfspec export`")
+    if is_offline_mode():
+        raise PushError("cannot push while offline: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set; unset it")
+    token = token or get_token()
+    if not token:
+        raise PushError("no Hugging Face token: log in with `hf auth login`, or set HF_TOKEN")
+    message, description = _commit_text(profiles)
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        info = api.upload_file(
+            path_or_fileobj=path.read_bytes(),
+            path_in_repo=CONFIG_NAME,
+            repo_id=repo_id,
+            create_pr=create_pr,
+            commit_message=message,
+            commit_description=description,
+        )
+    except HFValidationError as error:
+        raise PushError(f"--repo {repo_id!r}: {error}") from None
+    except OfflineModeIsEnabled as error:
+        raise PushError(f"cannot push while offline: {error}") from None
+    except HfHubHTTPError as error:
+        raise PushError(f"the Hub refused the upload to {repo_id}: {error}") from None
+    except (httpx2.TransportError, OSError) as error:
+        raise PushError(f"cannot reach {api.endpoint}: {error}") from None
+    return info.pr_url if create_pr else info.commit_url

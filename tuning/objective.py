@@ -1,0 +1,201 @@
+"""Measuring one trial: its speedup over plain greedy decoding, on the study's prompts.
+
+For every prompt the trial runs plain `generate` (`strategy="plain"`) and the candidate back to
+back, alternating which goes first, so drift in clock speed, thermal state or a neighbour's load
+hits both alike and cancels in the ratio sum(plain seconds) / sum(candidate seconds). Every
+candidate's tokens are compared with plain greedy decoding's: the strategies are lossless by
+design, so a difference is a bug, and the trial fails loudly instead of reporting a speed that
+was bought with wrong output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+import torch
+
+from hf_selfspec.measure import TimedRun, timed_generate
+from hf_selfspec.params import resolve_params
+from hf_selfspec.prompts import Prompt, encode_prompt
+from hf_selfspec.strategies import PLAIN
+
+from .config import SearchConfig
+from .space import skip_ratio, suggest_params
+
+logger = logging.getLogger(__name__)
+
+
+class LosslessViolation(Exception):
+    """A candidate produced tokens that plain greedy decoding did not: the trial is FAILED."""
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    id: str
+    inputs: dict[str, torch.Tensor]
+    # Plain greedy decoding's new tokens: deterministic, so computed once per process.
+    reference_tokens: list[int]
+
+
+def prepare_prompts(
+    model, tokenizer, prompts: Sequence[Prompt], generate_kwargs: dict[str, Any]
+) -> tuple[list[PreparedPrompt], float]:
+    """Encode the prompts and decode each plainly once.
+
+    That pass warms up the process (first calls allocate and pick kernels, which no trial should
+    pay for), yields the reference tokens for the lossless check, and measures the plain
+    tokens/s that the study note reports.
+    """
+    prepared, tokens, seconds = [], 0, 0.0
+    for prompt in prompts:
+        inputs = encode_prompt(tokenizer, prompt)
+        run = timed_generate(model, inputs, strategy=PLAIN, **generate_kwargs)
+        prepared.append(PreparedPrompt(prompt.id, dict(inputs), run.new_tokens))
+        tokens += len(run.new_tokens)
+        seconds += run.seconds
+    return prepared, tokens / seconds if seconds > 0 else 0.0
+
+
+@dataclass
+class _Totals:
+    baseline_seconds: float = 0.0
+    candidate_seconds: float = 0.0
+    tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    prompts: int = 0
+
+    def add(self, baseline: TimedRun, candidate: TimedRun) -> None:
+        self.baseline_seconds += baseline.seconds
+        self.candidate_seconds += candidate.seconds
+        self.tokens += len(candidate.new_tokens)
+        self.prompts += 1
+        if candidate.stats is not None:
+            self.drafted_tokens += candidate.stats.drafted_tokens
+            self.accepted_tokens += candidate.stats.accepted_tokens
+            self.accepted_lengths += candidate.stats.accepted_lengths
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_seconds / self.candidate_seconds if self.candidate_seconds > 0 else 0.0
+
+    def user_attrs(self) -> dict[str, Any]:
+        def per_second(seconds: float) -> float:
+            return self.tokens / seconds if seconds > 0 else 0.0
+
+        return {
+            "speedup": self.speedup,
+            "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
+            "mean_accepted_length": (
+                sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+            ),
+            "tokens_per_second": per_second(self.candidate_seconds),
+            "baseline_tokens_per_second": per_second(self.baseline_seconds),
+            "prompts_measured": self.prompts,
+        }
+
+
+def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int:
+    """Index of the first differing token (the shorter length if one is a prefix of the other)."""
+    for position, (want, got) in enumerate(zip(expected, actual, strict=False)):
+        if want != got:
+            return position
+    return min(len(expected), len(actual))
+
+
+class SpeedupObjective:
+    """`study.optimize`'s objective: suggest a skip set and knobs, measure them, return the speedup.
+
+    Intermediate speedups are reported after every prompt, so the pruner can stop a hopeless
+    skip set after a prompt or two. A skip set that drops every layer entirely is pruned
+    before measuring: `generate` rejects it, and pruned trials teach the sampler to avoid it.
+    """
+
+    def __init__(
+        self,
+        model,
+        prompts: Sequence[PreparedPrompt],
+        search: SearchConfig,
+        num_layers: int,
+        generate_kwargs: dict[str, Any],
+        worker: str,
+    ):
+        self.model = model
+        self.prompts = prompts
+        self.search = search
+        self.num_layers = num_layers
+        self.generate_kwargs = generate_kwargs
+        self.worker = worker
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        params = suggest_params(trial, self.search, self.num_layers)
+        trial.set_user_attr("worker", self.worker)
+        trial.set_user_attr("attn_skip_layers", params["attn_skip_layers"])
+        trial.set_user_attr("mlp_skip_layers", params["mlp_skip_layers"])
+        trial.set_user_attr("skip_ratio", skip_ratio(params, self.num_layers))
+        try:
+            resolve_params(self.num_layers, params)
+        except ValueError as error:
+            raise optuna.TrialPruned(f"invalid skip set: {error}") from None
+        totals = _Totals()
+        for step, prompt in enumerate(self.prompts):
+            baseline, candidate = self._measure(prompt, params, candidate_first=step % 2 == 1)
+            totals.add(baseline, candidate)
+            if candidate.new_tokens != prompt.reference_tokens:
+                self._record(trial, totals)
+                raise self._violation(trial, prompt, candidate.new_tokens, params)
+            trial.report(totals.speedup, step)
+            if trial.should_prune():
+                self._record(trial, totals)
+                raise optuna.TrialPruned(
+                    f"pruned after {step + 1} of {len(self.prompts)} prompts at {totals.speedup:.2f}x"
+                )
+        self._record(trial, totals)
+        return totals.speedup
+
+    def _measure(
+        self, prompt: PreparedPrompt, params: dict[str, Any], candidate_first: bool
+    ) -> tuple[TimedRun, TimedRun]:
+        def baseline() -> TimedRun:
+            return timed_generate(self.model, prompt.inputs, strategy=PLAIN, **self.generate_kwargs)
+
+        def candidate() -> TimedRun:
+            return timed_generate(
+                self.model, prompt.inputs, strategy=self.search.strategy, **params, **self.generate_kwargs
+            )
+
+        if candidate_first:
+            candidate_run = candidate()
+            return baseline(), candidate_run
+        baseline_run = baseline()
+        return baseline_run, candidate()
+
+    @staticmethod
+    def _record(trial: optuna.Trial, totals: _Totals) -> None:
+        for key, value in totals.user_attrs().items():
+            trial.set_user_attr(key, value)
+
+    def _violation(
+        self, trial: optuna.Trial, prompt: PreparedPrompt, tokens: list[int], params: dict[str, Any]
+    ) -> LosslessViolation:
+        position = first_difference(prompt.reference_tokens, tokens)
+
+        def token_at(sequence: list[int]) -> int | None:
+            return sequence[position] if position < len(sequence) else None
+
+        expected, actual = token_at(prompt.reference_tokens), token_at(tokens)
+        message = (
+            f"LOSSLESS VIOLATION in trial {trial.number}: strategy {self.search.strategy!r} changed the output "
+            f"of prompt {prompt.id} at new token {position} (plain greedy: {expected}, strategy: {actual}) "
+            f"with params {params}. This is a bug in the strategy; the trial is marked FAILED."
+        )
+        logger.error(message)
+        trial.set_user_attr(
+            "lossless_violation", {"prompt": prompt.id, "position": position, "expected": expected, "actual": actual}
+        )
+        return LosslessViolation(message)

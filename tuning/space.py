@@ -1,0 +1,136 @@
+"""The search space: what one trial tries, and the trials every study starts with.
+
+A trial chooses, per decoder layer, whether the draft skips its attention (`skip_attn_{i}`) and
+its MLP (`skip_mlp_{i}`), plus the numeric knobs its strategy reads. Optuna parameters are named
+so that the dashboard's parameter plots read per layer; `decode_params` turns them into the
+`SelfSpecParams` names that `generate` and the tuned profiles use, so no other module needs to
+know how a trial is spelt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from hf_selfspec.params import SelfSpecParams, default_skip_layers
+
+if TYPE_CHECKING:
+    from .config import SearchConfig
+
+SUB_LAYERS = ("attn", "mlp")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One numeric parameter the tuner may search, with the range it searches by default and the
+    limits any configured range must respect (None: unbounded on that side)."""
+
+    name: str
+    kind: type
+    default_range: tuple[float, float]
+    limits: tuple[float | None, float | None]
+    log: bool = False
+
+
+KNOBS: dict[str, Knob] = {
+    knob.name: knob
+    for knob in (
+        Knob("max_draft_tokens", int, (1, 12), (1, None)),
+        Knob("draft_exit_threshold", float, (0.05, 0.95), (0.0, 1.0)),
+        # α of Draft & Verify: the acceptance rate the adaptive threshold steers towards.
+        Knob("target_acceptance", float, (0.5, 0.95), (0.0, 1.0)),
+        # ε of Draft & Verify: how far one verification moves the threshold. Useful values span
+        # two orders of magnitude, so it is searched on a log scale.
+        Knob("threshold_step", float, (0.001, 0.1), (0.0, 1.0), log=True),
+        Knob("target_confidence_threshold", float, (0.05, 0.95), (0.0, 1.0)),
+        # Off unless a study opts in with a range: composing prompt lookup with the layer-skip
+        # draft, and restricting the draft's LM head, change what the draft costs.
+        Knob("prompt_lookup_tokens", int, (0, 0), (0, None)),
+        Knob("draft_vocab_size", int, (0, 0), (0, None)),
+    )
+}
+
+_COMMON_KNOBS = ("max_draft_tokens", "draft_exit_threshold", "prompt_lookup_tokens", "draft_vocab_size")
+STRATEGY_KNOBS: dict[str, tuple[str, ...]] = {
+    "self_speculative": _COMMON_KNOBS,
+    "adaptive_draft_exit": _COMMON_KNOBS + ("target_acceptance", "threshold_step"),
+    "target_confidence_gated": _COMMON_KNOBS + ("target_confidence_threshold",),
+}
+
+
+def skip_param_name(sub_layer: str, layer: int) -> str:
+    return f"skip_{sub_layer}_{layer}"
+
+
+def suggest_params(trial: optuna.Trial, search: SearchConfig, num_layers: int) -> dict[str, Any]:
+    """Ask the sampler for one point of the space; returns `generate` keyword arguments."""
+    for layer in range(num_layers):
+        for sub_layer in SUB_LAYERS:
+            trial.suggest_categorical(skip_param_name(sub_layer, layer), [False, True])
+    for name in STRATEGY_KNOBS[search.strategy]:
+        knob = KNOBS[name]
+        low, high = search.range_of(name)
+        if knob.kind is int:
+            trial.suggest_int(name, int(low), int(high), log=knob.log)
+        else:
+            trial.suggest_float(name, float(low), float(high), log=knob.log)
+    return decode_params(trial.params, search.strategy, num_layers)
+
+
+def decode_params(values: Mapping[str, Any], strategy: str, num_layers: int) -> dict[str, Any]:
+    """Every `SelfSpecParams` field, from a trial's Optuna parameters.
+
+    Knobs the strategy does not search keep their documented defaults, and all of them are
+    passed and exported explicitly: a measurement then depends only on the trial, never on
+    whatever profile or setting the model's own generation config happens to carry.
+    """
+    skipped = {
+        sub_layer: tuple(layer for layer in range(num_layers) if values[skip_param_name(sub_layer, layer)])
+        for sub_layer in SUB_LAYERS
+    }
+    knobs = {name: values[name] for name in STRATEGY_KNOBS[strategy]}
+    return SelfSpecParams(attn_skip_layers=skipped["attn"], mlp_skip_layers=skipped["mlp"], **knobs).as_dict()
+
+
+def skip_ratio(params: Mapping[str, Any], num_layers: int) -> float:
+    """The share of sub-layers (attention and MLP counted apart) the draft skips."""
+    return (len(params["attn_skip_layers"]) + len(params["mlp_skip_layers"])) / (2 * num_layers)
+
+
+def evenly_spread_layers(num_layers: int, ratio: float) -> tuple[int, ...]:
+    """`ratio` of the layers, spread evenly between the second and the second-to-last.
+
+    The first layer builds the representation everything else reads and the last one shapes the
+    logits, so both are kept; spreading the rest keeps any stretch of the network from being
+    dropped wholesale.
+    """
+    inner = list(range(1, num_layers - 1))
+    count = min(round(ratio * num_layers), len(inner))
+    return tuple(inner[round((j + 0.5) * len(inner) / count - 0.5)] for j in range(count))
+
+
+def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, Any]]:
+    """Fixed first trials, in Optuna parameter names: the documented default skip set, evenly
+    spread skip sets at the configured ratios, and no skips at all (the draft is the full model,
+    so it shows what drafting alone costs). Numeric knobs start at their `SelfSpecParams`
+    defaults, moved into the configured range. Identical skip sets appear once."""
+    skip_sets = [default_skip_layers(num_layers)[0]]
+    skip_sets += [evenly_spread_layers(num_layers, ratio) for ratio in search.warm_start_skip_ratios]
+    skip_sets.append(())
+    defaults = SelfSpecParams()
+    knob_values = {}
+    for name in STRATEGY_KNOBS[search.strategy]:
+        low, high = search.range_of(name)
+        knob_values[name] = min(max(getattr(defaults, name), low), high)
+    trials = []
+    for layers in dict.fromkeys(skip_sets):
+        params = {
+            skip_param_name(sub_layer, layer): layer in layers
+            for layer in range(num_layers)
+            for sub_layer in SUB_LAYERS
+        }
+        trials.append({**params, **knob_values})
+    return trials

@@ -1,0 +1,212 @@
+"""Where studies live, what they are called, and what they record about themselves.
+
+Studies are ordinary Optuna RDB studies, so `optuna studies --storage URL`, the dashboard and
+any number of workers on any number of machines work on them unchanged. The default storage is
+`sqlite:///studies/optuna.db` relative to the current directory (run from the repository root,
+that is the git-ignored `studies/`); relative SQLite paths are made absolute once, up front, so
+every message names the file actually used. Any SQLAlchemy URL works, PostgreSQL included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import RDBStorage
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
+
+from hf_selfspec.embedded import EMBEDDED_NAME
+from hf_selfspec.loading import EMBEDDED
+
+from . import TuningError
+from .config import ModelConfig, PromptConfig, StudyConfig
+
+DEFAULT_STORAGE = "sqlite:///studies/optuna.db"
+SCHEMA_RACE_ATTEMPTS = 5
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_storage_url(url: str | None) -> str:
+    """The URL with a relative SQLite path made absolute and its directory created."""
+    try:
+        parsed = make_url(url or DEFAULT_STORAGE)
+    except ArgumentError:
+        raise TuningError(f"{url!r} is not a storage URL; e.g. sqlite:///studies/optuna.db") from None
+    if parsed.drivername.startswith("sqlite") and parsed.database not in (None, "", ":memory:"):
+        path = Path(parsed.database).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        parsed = parsed.set(database=str(path))
+    return parsed.render_as_string(hide_password=False)
+
+
+def display_url(url: str) -> str:
+    """The URL fit for a terminal or a log: its password hidden."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _report_stale_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    logger.warning(
+        "Trial %d of study %r was running on a worker that stopped sending heartbeats; it is now FAILED.",
+        trial.number,
+        study.study_name,
+    )
+
+
+def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None) -> RDBStorage:
+    """An RDB storage; with a heartbeat interval, each running trial proves its worker alive, and
+    `study.optimize` fails the trials of dead workers (after `grace_period` s) before each trial."""
+    engine_kwargs: dict[str, Any]
+    if make_url(url).drivername.startswith("sqlite"):
+        # Several local workers, the heartbeat thread and the dashboard share one file: wait for
+        # the lock instead of failing a trial on "database is locked".
+        engine_kwargs = {"connect_args": {"timeout": 60}}
+    else:
+        # A trial can leave its connection idle for minutes; servers and proxies drop such ones.
+        engine_kwargs = {"pool_pre_ping": True}
+    heartbeat = {}
+    if heartbeat_interval is not None:
+        heartbeat = {
+            "heartbeat_interval": heartbeat_interval,
+            "grace_period": grace_period,
+            "heartbeat_stale_trial_callback": _report_stale_trial,
+        }
+    for attempt in itertools.count(1):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are stable enough
+                return RDBStorage(url, engine_kwargs=engine_kwargs, **heartbeat)
+        except (IntegrityError, ProgrammingError):
+            # Workers started together on an empty database race to create Optuna's tables, and
+            # the losers' CREATE statements collide with the winner's. Once it has committed,
+            # opening the storage finds the tables and creates nothing.
+            if attempt == SCHEMA_RACE_ATTEMPTS:
+                raise
+            time.sleep(random.uniform(0.5, 2.0))
+        except ImportError as error:
+            raise TuningError(
+                f"cannot open {display_url(url)}: {error} (for PostgreSQL: pip install psycopg2-binary)"
+            ) from None
+        except OperationalError as error:
+            raise TuningError(f"cannot open {display_url(url)}: {error.orig}") from None
+
+
+def model_label(model: ModelConfig) -> str:
+    """A short name for the model: the embedded model's name, a directory's name, or a Hub id."""
+    if model.name == EMBEDDED:
+        label = EMBEDDED_NAME
+    elif Path(model.name).expanduser().is_dir():
+        label = Path(model.name).expanduser().resolve().name
+    else:
+        label = model.name
+    return f"{label}/{model.gguf_file}" if model.gguf_file else label
+
+
+def prompt_label(prompts: PromptConfig) -> str:
+    source = Path(prompts.source).stem
+    offset = f"@{prompts.offset}" if prompts.offset else ""
+    return f"{source}{offset}-{prompts.n_prompts}x{prompts.max_new_tokens}"
+
+
+def derive_study_name(config: StudyConfig, device_key: str) -> str:
+    """`model:strategy:device/dtype:prompts`, e.g.
+    `SmolLM2-135M-Instruct:self_speculative:cpu/float32:humaneval-8x64`.
+
+    Beyond model, device and dtype, the name holds the strategy and the prompt set, because
+    speedups measured under different ones are not comparable: a quick run with
+    `--n-prompts 2` gets its own study instead of polluting the long one, and re-running the
+    same config resumes the same study.
+    """
+    return config.study.name or ":".join(
+        (model_label(config.model), config.search.strategy, device_key, prompt_label(config.prompts))
+    )
+
+
+@dataclass(frozen=True)
+class StudyContext:
+    """What a study measured, stored as study user attributes so that `export`, the dashboard
+    and every later worker can read it without the config file."""
+
+    model: str
+    gguf_file: str | None
+    dtype: str
+    device_key: str
+    strategy: str
+    num_layers: int
+    prompt_source: str
+    n_prompts: int
+    prompt_offset: int
+    max_new_tokens: int
+    baseline_tokens_per_second: float
+    versions: dict[str, str]
+
+    # Fields that define the measurement; a resumed study must agree on every one of them. The
+    # model's path is left out (workers on other machines keep it elsewhere); its depth is in.
+    IDENTITY = (
+        "dtype",
+        "device_key",
+        "strategy",
+        "num_layers",
+        "prompt_source",
+        "n_prompts",
+        "prompt_offset",
+        "max_new_tokens",
+    )
+
+    def save(self, study: optuna.Study) -> None:
+        for key, value in dataclasses.asdict(self).items():
+            study.set_user_attr(key, value)
+
+    @classmethod
+    def load(cls, study: optuna.Study) -> StudyContext:
+        attrs = study.user_attrs
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in attrs]
+        if missing:
+            raise TuningError(
+                f"study {study.study_name!r} was not made by `hf-selfspec tune` (it lacks {', '.join(missing)})"
+            )
+        return cls(**{f.name: attrs[f.name] for f in dataclasses.fields(cls)})
+
+    def check_matches(self, study: optuna.Study) -> None:
+        """Refuse to resume a study that measured something else under the same name."""
+        if not study.user_attrs:
+            return
+        stored = StudyContext.load(study)
+        for key in self.IDENTITY:
+            if getattr(stored, key) != getattr(self, key):
+                raise TuningError(
+                    f"study {study.study_name!r} was tuned with {key}={getattr(stored, key)!r}, not "
+                    f"{getattr(self, key)!r}; pick another [study] name or storage"
+                )
+
+
+def create_or_load_study(
+    storage: RDBStorage, name: str, sampler: optuna.samplers.BaseSampler, pruner: optuna.pruners.BasePruner
+) -> tuple[optuna.Study, bool]:
+    """The study, and whether this call created it. Creation is decided by the storage's unique
+    study name, so among workers starting together exactly one sees `True`."""
+    try:
+        study = optuna.create_study(
+            storage=storage, study_name=name, direction="maximize", sampler=sampler, pruner=pruner
+        )
+        return study, True
+    except optuna.exceptions.DuplicatedStudyError:
+        return optuna.load_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner), False
+
+
+def load_existing_study(storage_url: str, name: str) -> optuna.Study:
+    storage = open_storage(storage_url)
+    names = optuna.get_all_study_names(storage)
+    if name not in names:
+        listing = "\n  ".join(sorted(names)) or "(none)"
+        raise TuningError(f"no study {name!r} in {display_url(storage_url)}; it holds:\n  {listing}")
+    return optuna.load_study(storage=storage, study_name=name)

@@ -1,0 +1,245 @@
+"""Running a study: load the model once, then let Optuna ask for trials until the budget is spent.
+
+Everything a study needs to survive is in the storage: finished trials are committed as they
+end, a killed worker's running trial is failed by the next worker's heartbeat check, and the
+warm-start trials wait there until some worker runs them. Re-running the same config therefore
+resumes, and any number of processes on any number of machines can share one study.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from . import TuningError
+from .config import StudyConfig
+from .dashboard import best_trial, count_states, write_study_note
+from .objective import LosslessViolation, SpeedupObjective, prepare_prompts
+from .space import warm_start_trials
+from .storage import (
+    StudyContext,
+    create_or_load_study,
+    derive_study_name,
+    display_url,
+    open_storage,
+    resolve_storage_url,
+)
+
+logger = logging.getLogger(__name__)
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+@dataclass
+class TuneOutcome:
+    study: optuna.Study
+    storage_url: str
+    this_run: dict[TrialState, int]
+
+    @property
+    def best(self) -> optuna.trial.FrozenTrial | None:
+        return best_trial(self.study)
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for distribution in ("hf-selfspec", "transformers", "torch", "optuna"):
+        try:
+            versions[distribution] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            versions[distribution] = "not installed (source tree)"
+    return versions
+
+
+def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampler:
+    if config.study.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    # constant_liar (the default) keeps concurrent workers from sampling the same point.
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def _pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
+    if config.study.pruner == "none":
+        return optuna.pruners.NopPruner()
+    # Each step is one prompt, the same prompt for every trial, so even the first compares like
+    # with like; a skip set far behind the median there only costs more time on the rest.
+    return optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=0)
+
+
+class _Progress:
+    """A trial bar with the best speedup so far, one line per finished trial, and the study note
+    refreshed whenever this worker finds a new best."""
+
+    def __init__(self, total: int, enabled: bool):
+        # disable=None: no bar when stderr is not a terminal (CI logs), the per-trial lines remain.
+        self.bar = tqdm(total=total, unit="trial", desc="tuning", disable=None if enabled else True)
+        self.this_run = {state: 0 for state in FINISHED}
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self.this_run[trial.state] += 1
+        self.bar.write(self._line(trial))
+        best = best_trial(study)
+        if best is not None:
+            self.bar.set_postfix_str(f"best {best.value:.2f}x (trial {best.number})")
+            if best.number == trial.number:
+                write_study_note(study)
+        self.bar.update(1)
+
+    @staticmethod
+    def _line(trial: optuna.trial.FrozenTrial) -> str:
+        attrs = trial.user_attrs
+        if trial.state == TrialState.COMPLETE:
+            return (
+                f"trial {trial.number}: {trial.value:.2f}x, acceptance {attrs['acceptance_rate']:.0%}, "
+                f"skip ratio {attrs['skip_ratio']:.0%}"
+            )
+        if trial.state == TrialState.PRUNED:
+            steps = trial.intermediate_values
+            if not steps:
+                return f"trial {trial.number}: pruned before measuring (it skips every layer whole)"
+            return f"trial {trial.number}: pruned after {len(steps)} prompt(s) at {steps[max(steps)]:.2f}x"
+        violation = attrs.get("lossless_violation")
+        reason = f"lossless violation on {violation['prompt']}" if violation else "error"
+        return f"trial {trial.number}: FAILED ({reason})"
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_tune(
+    config: StudyConfig,
+    storage_url: str | None = None,
+    n_trials: int | None = None,
+    timeout: float | None = None,
+    show_progress: bool = True,
+) -> TuneOutcome:
+    """Tune until `n_trials` more trials ran in this process, or, without it, until the study
+    holds the config's trial budget of finished trials (counted over all workers)."""
+    from hf_selfspec.layer_skip import decoder_layers
+    from hf_selfspec.loading import load_model_and_tokenizer
+    from hf_selfspec.profiles import device_profile_key
+    from hf_selfspec.prompts import load_prompts
+    from hf_selfspec.strategies import available_strategies
+
+    storage_url = resolve_storage_url(storage_url or config.study.storage)
+    if config.search.strategy not in available_strategies():
+        raise TuningError(f"strategy {config.search.strategy!r} is not available; have {available_strategies()}")
+    try:
+        prompts = load_prompts(config.prompts.source, config.prompts.n_prompts, config.prompts.offset)
+    except ValueError as error:
+        raise TuningError(str(error)) from None
+    model, tokenizer = load_model_and_tokenizer(
+        config.model.name, config.model.gguf_file, config.model.dtype, config.model.device
+    )
+    num_layers = len(decoder_layers(model))
+    device_key = device_profile_key(model.device, model.dtype)
+    context = StudyContext(
+        model=config.model.name,
+        gguf_file=config.model.gguf_file,
+        dtype=config.model.dtype,
+        device_key=device_key,
+        strategy=config.search.strategy,
+        num_layers=num_layers,
+        prompt_source=Path(config.prompts.source).name,  # `humaneval`, or the file's name
+        n_prompts=len(prompts),
+        prompt_offset=config.prompts.offset,
+        max_new_tokens=config.prompts.max_new_tokens,
+        baseline_tokens_per_second=0.0,
+        versions=library_versions(),
+    )
+
+    storage = open_storage(storage_url, config.study.heartbeat_interval, config.study.grace_period)
+    study, created = create_or_load_study(
+        storage, derive_study_name(config, device_key), _sampler(config, config.study.seed), _pruner(config)
+    )
+    context.check_matches(study)
+    if created:
+        for params in warm_start_trials(config.search, num_layers):
+            study.enqueue_trial(params)
+    else:
+        # The seed makes a fresh single-worker study reproducible. A worker joining or resuming
+        # a study must not replay that random sequence, or it would repeat trials already run.
+        study.sampler = _sampler(config, seed=None)
+    print(f"Study {study.study_name!r} in {display_url(storage_url)}", flush=True)
+
+    generate_kwargs = {
+        "max_new_tokens": config.prompts.max_new_tokens,
+        "do_sample": False,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    prepared, baseline_tps = prepare_prompts(model, tokenizer, prompts, generate_kwargs)
+    context = dataclasses.replace(context, baseline_tokens_per_second=baseline_tps)
+    context.save(study)
+    write_study_note(study)
+
+    callbacks = []
+    if n_trials is None:
+        finished = len(study.get_trials(deepcopy=False, states=FINISHED))
+        n_trials = config.study.n_trials - finished
+        # Other workers spend the same budget; stop when the study as a whole has spent it.
+        callbacks.append(optuna.study.MaxTrialsCallback(config.study.n_trials, states=FINISHED))
+        if n_trials <= 0:
+            print(
+                f"The study already holds {finished} finished trials (budget {config.study.n_trials}); "
+                "pass --n-trials to run more."
+            )
+            return TuneOutcome(study, storage_url, {state: 0 for state in FINISHED})
+
+    objective = SpeedupObjective(
+        model, prepared, config.search, num_layers, generate_kwargs, f"{socket.gethostname()}:{os.getpid()}"
+    )
+    progress = _Progress(n_trials, show_progress)
+    optuna_logger = logging.getLogger("optuna")
+    previous_verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our per-trial line replaces Optuna's
+    try:
+        with logging_redirect_tqdm(loggers=[logging.getLogger("tuning"), optuna_logger]):
+            study.optimize(
+                objective,
+                n_trials=n_trials,
+                timeout=timeout if timeout is not None else config.study.timeout,
+                catch=(LosslessViolation,),
+                callbacks=[progress, *callbacks],
+            )
+    finally:
+        progress.close()
+        optuna.logging.set_verbosity(previous_verbosity)
+        with contextlib.suppress(Exception):  # a note is a courtesy; never mask the real error
+            write_study_note(study)
+    return TuneOutcome(study, storage_url, progress.this_run)
+
+
+def format_summary(outcome: TuneOutcome) -> str:
+    study = outcome.study
+    best = outcome.best
+    in_study = count_states(study.get_trials(deepcopy=False))
+    rows = [
+        f"Study    {study.study_name}",
+        f"Storage  {display_url(outcome.storage_url)}",
+        "",
+    ]
+    if best is None:
+        rows.append("best speedup      (no trial completed yet)")
+    else:
+        verdict = "" if best.value > 1 else "  (no faster than plain decoding yet)"
+        rows += [
+            f"best speedup      {best.value:.2f}x  (trial {best.number}){verdict}",
+            f"acceptance rate   {best.user_attrs['acceptance_rate']:.0%}",
+            f"skip ratio        {best.user_attrs['skip_ratio']:.0%}",
+        ]
+    rows += ["", f"{'trials':<12}{'this run':>10}{'study':>10}"]
+    rows.append(f"{'ran':<12}{sum(outcome.this_run.values()):>10}{sum(in_study.values()):>10}")
+    for state, label in ((TrialState.COMPLETE, "complete"), (TrialState.PRUNED, "pruned"), (TrialState.FAIL, "failed")):
+        rows.append(f"{label:<12}{outcome.this_run.get(state, 0):>10}{in_study[state]:>10}")
+    return "\n".join(rows)
