@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from hf_selfspec.argtypes import positive_float, positive_int
+
 from . import TuningError
 
 STORAGE_HELP = (
@@ -20,20 +22,6 @@ STORAGE_HELP = (
     "current directory)"
 )
 TUNE_STORAGE_HELP = STORAGE_HELP.replace("(default: ", "(default: the config's [study] storage, else ")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def _reporting(command: str):
@@ -134,21 +122,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("study", type=Path, metavar="STUDY.toml", help="study config, e.g. studies/smollm2-135m.toml")
     tune.add_argument(
         "--n-trials",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="run N trials in this process (default: until the study holds the config's [study] n_trials)",
     )
-    tune.add_argument("--timeout", type=_positive_float, metavar="S", help="stop starting new trials after S seconds")
+    tune.add_argument("--timeout", type=positive_float, metavar="S", help="stop starting new trials after S seconds")
     tune.add_argument("--storage", metavar="URL", help=TUNE_STORAGE_HELP)
     tune.add_argument(
         "--n-prompts",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="override [prompts] n_prompts (a different prompt set makes a different study)",
     )
     tune.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="override [prompts] max_new_tokens (a different value makes a different study)",
     )
@@ -212,7 +200,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where to write generation_config.json (default: %(default)s)",
     )
     quickstart.add_argument(
-        "--n-trials", type=_positive_int, default=8, metavar="N", help="trials to run (default: %(default)s)"
+        "--n-trials", type=positive_int, default=8, metavar="N", help="trials to run (default: %(default)s)"
     )
     quickstart.add_argument("--storage", metavar="URL", help=STORAGE_HELP)
     quickstart.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -14,6 +14,8 @@ from importlib import resources
 from importlib.util import find_spec
 from pathlib import Path
 
+from hf_selfspec.argtypes import non_negative_int, positive_int
+
 # The `bench` extra: without matplotlib the top-level CLI turns this command into an install hint.
 if find_spec("matplotlib") is None:
     raise ImportError("hf-selfspec bench draws its plots with matplotlib", name="matplotlib")
@@ -64,20 +66,6 @@ examples:
 """
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench",
@@ -109,14 +97,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--n-prompts",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_N_PROMPTS,
         metavar="N",
         help="number of prompts to use (default: %(default)s, or fewer if the set is smaller)",
     )
     parser.add_argument(
         "--prompt-offset",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="skip the first N prompts, to benchmark prompts that tuning did not see; for example "
@@ -124,14 +112,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_NEW_TOKENS,
         metavar="N",
         help="tokens to generate per prompt (default: %(default)s)",
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_REPEATS,
         metavar="R",
         help="timed passes over all prompts, after the uncounted warm-up; min and max need at "
