@@ -64,13 +64,18 @@ def speculative_decode(
     while not finished:
         is_prefill = kv_length == 0
 
-        # Draft
+        # Draft: the gate decides whether the model drafts; proposals that cost no forward pass
+        # (prompt lookup) are worth verifying either way.
         draft = Draft()
         room = max_length - state.length
-        if not is_prefill and room > 1 and parts.gate.should_draft():
+        if not is_prefill and room > 1:
             started = time.perf_counter()
-            draft = parts.drafter.propose(state, min(max_draft_tokens, room - 1), parts.exit_policy, selector)
-            cache.rollback(kv_length)  # the draft's own KV is not the full model's
+            limit = min(max_draft_tokens, room - 1)
+            if parts.gate.should_draft():
+                draft = parts.drafter.propose(state, limit, parts.exit_policy, selector)
+                cache.rollback(kv_length)  # the draft's own KV is not the full model's
+            else:
+                draft = parts.drafter.propose_free(state, limit)
             stats.draft_seconds += time.perf_counter() - started
         drafted = len(draft.tokens)
 

@@ -40,6 +40,11 @@ class Drafter:
     def propose(self, state: DecodingState, max_tokens: int, exit_policy: ExitPolicy, selector: TokenSelector) -> Draft:
         raise NotImplementedError
 
+    def propose_free(self, state: DecodingState, max_tokens: int) -> Draft:
+        """Proposals that need no forward pass, offered even when the gate keeps the model from
+        drafting; none by default."""
+        return Draft()
+
     def rollback(self, committed_kv_length: int) -> None:
         """Forget draft state past the KV the verifier kept; the shared cache needs nothing."""
 
@@ -196,12 +201,15 @@ class PromptLookupDrafter(Drafter):
                 return sequence[follow : follow + min(max_tokens, self.max_lookup_tokens)].tolist()
         return []
 
-    def propose(self, state, max_tokens, exit_policy, selector):
+    def propose_free(self, state, max_tokens):
         tokens = self._lookup(state, max_tokens)
-        if not tokens:
-            return self.fallback.propose(state, max_tokens, exit_policy, selector)
-        state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
+        if tokens:
+            state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
         return Draft(tokens=tokens)
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        draft = self.propose_free(state, max_tokens)
+        return draft if draft.tokens else self.fallback.propose(state, max_tokens, exit_policy, selector)
 
     def rollback(self, committed_kv_length: int) -> None:
         self.fallback.rollback(committed_kv_length)

@@ -57,3 +57,19 @@ def test_confident_verifier_drafts_unconfident_one_decodes_plainly():
     assert open_gate.drafted_tokens > 0 and open_gate.plain_steps <= 1
     closed_gate = _gated_stats(model, 1.0)  # no probability of a real model reaches 1 exactly here
     assert closed_gate.drafted_tokens == 0 and closed_gate.plain_steps == 29
+
+
+def test_closed_gate_still_verifies_free_prompt_lookup_proposals():
+    """Prompt lookup costs no forward pass, so a closed gate stops only the model's own draft."""
+    import torch
+
+    model = tiny_model("llama", initializer_range=0.3)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 3, 14, 15, 92, 65, 3, 14]])
+    kwargs = dict(max_new_tokens=30, do_sample=False, strategy="target_confidence_gated", attn_skip_layers=[2],
+                  mlp_skip_layers=[3], target_confidence_threshold=1.0, return_dict_in_generate=True)
+    plain = model.generate(prompt, max_new_tokens=30, do_sample=False, strategy="plain")
+    without_lookup = model.generate(prompt, **kwargs)
+    with_lookup = model.generate(prompt, prompt_lookup_tokens=4, **kwargs)
+    assert without_lookup.strategy_stats.drafted_tokens == 0
+    assert with_lookup.strategy_stats.drafted_tokens > 0
+    assert with_lookup.sequences.tolist() == without_lookup.sequences.tolist() == plain.tolist()

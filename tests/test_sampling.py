@@ -81,6 +81,8 @@ CASES = {
     "target_confidence_gated": dict(strategy="target_confidence_gated", target_confidence_threshold=0.0,
                                     draft_exit_threshold=0.0, **SKIP),
     "prompt_lookup": dict(strategy="self_speculative", prompt_lookup_tokens=2, draft_exit_threshold=0.0, **SKIP),
+    "lookup_behind_closed_gate": dict(strategy="target_confidence_gated", target_confidence_threshold=1.0,
+                                      prompt_lookup_tokens=2, **SKIP),
     "restricted_draft_head": dict(strategy="self_speculative", draft_vocab_size=2, draft_exit_threshold=0.0, **SKIP),
 }
 
