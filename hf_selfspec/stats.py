@@ -22,6 +22,17 @@ class StrategyStats:
     verify_seconds: float = 0.0
     accepted_lengths: list[int] = field(default_factory=list)
 
+    def add(self, other: "StrategyStats") -> None:
+        """Accumulate another call's counters, so a measurement over many prompts reports rates
+        over all of them rather than an average of per-prompt rates."""
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.verification_steps += other.verification_steps
+        self.plain_steps += other.plain_steps
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        self.accepted_lengths.extend(other.accepted_lengths)
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0

@@ -87,3 +87,12 @@ def test_skipped_sublayers_do_not_run_while_drafting():
     draft_forwards = calls["kept_attn"] - full_forwards
     assert draft_forwards > 0
     assert calls["skipped_attn"] == calls["skipped_mlp"] == calls["skipped_layer_norm"] == full_forwards
+
+
+def test_strategy_stats_accumulate_counts_not_rates():
+    total = hf_selfspec.StrategyStats(drafted_tokens=4, accepted_tokens=4, verification_steps=1, accepted_lengths=[4])
+    total.add(hf_selfspec.StrategyStats(drafted_tokens=6, accepted_tokens=0, verification_steps=2,
+                                        accepted_lengths=[0, 0]))
+    assert total.acceptance_rate == 0.4  # 4 of 10 drafted, not the mean of 100% and 0%
+    assert total.mean_accepted_length == 4 / 3
+    assert total.verification_steps == 3

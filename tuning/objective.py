@@ -21,6 +21,7 @@ import torch
 from hf_selfspec.measure import TimedRun, timed_generate
 from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import Prompt, encode_prompt
+from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import PLAIN
 
 from .config import SearchConfig
@@ -65,9 +66,7 @@ class _Totals:
     baseline_seconds: float = 0.0
     candidate_seconds: float = 0.0
     tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)
+    draft: StrategyStats = field(default_factory=StrategyStats)
     prompts: int = 0
 
     def add(self, baseline: TimedRun, candidate: TimedRun) -> None:
@@ -76,9 +75,7 @@ class _Totals:
         self.tokens += len(candidate.new_tokens)
         self.prompts += 1
         if candidate.stats is not None:
-            self.drafted_tokens += candidate.stats.drafted_tokens
-            self.accepted_tokens += candidate.stats.accepted_tokens
-            self.accepted_lengths += candidate.stats.accepted_lengths
+            self.draft.add(candidate.stats)
 
     @property
     def speedup(self) -> float:
@@ -90,10 +87,8 @@ class _Totals:
 
         return {
             "speedup": self.speedup,
-            "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
-            "mean_accepted_length": (
-                sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
-            ),
+            "acceptance_rate": self.draft.acceptance_rate,
+            "mean_accepted_length": self.draft.mean_accepted_length,
             "tokens_per_second": per_second(self.candidate_seconds),
             "baseline_tokens_per_second": per_second(self.baseline_seconds),
             "prompts_measured": self.prompts,
