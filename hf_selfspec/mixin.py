@@ -43,9 +43,13 @@ class StrategyPlan:
     assistant_model: nn.Module | None
 
 
-def _unsupported(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+def _call_generation_config(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
+    """The generation config this `generate` call runs with: passed by keyword or position, else the model's."""
+    return kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
+
+
+def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     """Why this call cannot run under a strategy, or None. Reads kwargs over the config."""
-    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
 
     def setting(name: str, default=None):
         return kwargs[name] if name in kwargs else getattr(config, name, default)
@@ -107,14 +111,14 @@ class SelfSpecMixin(GenerationMixin):
         profile = None if strategy == PLAIN else profile_for_model(self)
         if strategy == PLAIN or (strategy is None and profile is None):
             return None
-        reason = _unsupported(self, args, kwargs)
+        config = _call_generation_config(self, args, kwargs)
+        reason = _unsupported(config, args, kwargs)
         if reason is not None:
             if strategy is None:
                 logger.info("Decoding plainly: the tuned profile's strategy cannot %s.", reason)
                 return None
             raise ValueError(f"strategy={getattr(strategy, 'name', strategy)!r} cannot {reason}")
         resolved = resolve_strategy(strategy if strategy is not None else profile.strategy)
-        config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
         config_values = {name: getattr(config, name) for name in PARAM_NAMES if getattr(config, name, None) is not None}
         params = resolve_params(
             len(decoder_layers(self)), explicit, config_values, profile.params if profile is not None else {}
