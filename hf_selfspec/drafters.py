@@ -111,12 +111,16 @@ class RestrictedDraftHead:
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.scores = torch.full((1, vocab_size), -float("inf"), dtype=head.weight.dtype, device=head.weight.device)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[..., len(token_ids)]` over the subset only, in `token_ids` order."""
         logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = self.scores.clone()
-        scores[0, self.token_ids] = logits[0]
+        scores[0, self.token_ids] = self.subset_logits(hidden)[0]
         return scores
 
 
@@ -177,6 +181,20 @@ class AssistantDrafter(Drafter):
         self.cache.rollback(self.kv_length)
 
 
+def lookup_continuation(sequence: torch.Tensor, max_ngram: int, max_tokens: int) -> list[int]:
+    """What followed the latest earlier occurrence of the longest matching suffix n-gram of the
+    1-D `sequence` (at most `max_tokens` tokens; empty if no n-gram up to `max_ngram` recurs)."""
+    for ngram in range(min(max_ngram, sequence.shape[0] - 1), 0, -1):
+        pattern = sequence[-ngram:]
+        windows = sequence[:-1].unfold(0, ngram, 1)  # every earlier n-gram, by start index
+        starts = torch.nonzero((windows == pattern).all(dim=1)).flatten()
+        if starts.numel():
+            # windows end before the last token, so a continuation always exists
+            follow = int(starts[-1]) + ngram
+            return sequence[follow : follow + max_tokens].tolist()
+    return []
+
+
 class PromptLookupDrafter(Drafter):
     """Copy the continuation of the latest earlier occurrence of the current n-gram, else fall
     back to another drafter.
@@ -189,20 +207,10 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, fallback: Drafter, max_ngram: int, max_lookup_tokens: int):
         self.fallback, self.max_ngram, self.max_lookup_tokens = fallback, max_ngram, max_lookup_tokens
 
-    def _lookup(self, state: DecodingState, max_tokens: int) -> list[int]:
-        sequence = state.sequence[0, : state.length]
-        for ngram in range(min(self.max_ngram, state.length - 1), 0, -1):
-            pattern = sequence[-ngram:]
-            windows = sequence[:-1].unfold(0, ngram, 1)  # every earlier n-gram, by start index
-            starts = torch.nonzero((windows == pattern).all(dim=1)).flatten()
-            if starts.numel():
-                # windows end before the last token, so a continuation always exists
-                follow = int(starts[-1]) + ngram
-                return sequence[follow : follow + min(max_tokens, self.max_lookup_tokens)].tolist()
-        return []
-
     def propose_free(self, state, max_tokens):
-        tokens = self._lookup(state, max_tokens)
+        tokens = lookup_continuation(
+            state.sequence[0, : state.length], self.max_ngram, min(max_tokens, self.max_lookup_tokens)
+        )
         if tokens:
             state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
         return Draft(tokens=tokens)

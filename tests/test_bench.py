@@ -237,6 +237,21 @@ def test_bad_model_config_or_output_is_one_line(tmp_path, capsys, flags, message
     assert len(err.splitlines()) == 1
 
 
+def test_contenders_option_runs_the_named_ones_and_the_baseline(tiny_llama_dir, prompt_file, tmp_path):
+    output = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output)]
+    assert main([*argv, "--contenders", "prompt_lookup, target_confidence_gated", *BENCH_FLAGS]) == 0
+    results = json.loads((output / "results.json").read_text())
+    assert [c["name"] for c in results["contenders"]] == [BASELINE, "prompt_lookup", "target_confidence_gated"]
+
+
+def test_unknown_contender_is_one_line_listing_the_choices(tiny_llama_dir, capsys):
+    assert main(["bench", "--model", str(tiny_llama_dir), "--contenders", "early_exit,warp", *BENCH_FLAGS]) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
+    assert last_line.startswith("hf-selfspec bench: error: --contenders early_exit,warp: unknown warp; choose from")
+    assert "prompt_lookup" in last_line
+
+
 def test_chat_alias_is_the_packaged_chat_set():
     prompts = load_prompts(prompt_source("chat"))
     assert len(prompts) == 20
@@ -251,7 +266,7 @@ def test_help_describes_every_option(capsys):
     text = capsys.readouterr().out
     for option in [
         "--model", "--gguf-file", "--config", "--prompts", "--n-prompts", "--prompt-offset",
-        "--max-new-tokens", "--repeats", "--assistant", "--device", "--dtype", "--output",
+        "--max-new-tokens", "--repeats", "--assistant", "--contenders", "--device", "--dtype", "--output",
         "results.json", "speedup.png", "acceptance.png",
     ]:  # fmt: skip
         assert option in text

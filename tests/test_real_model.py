@@ -47,3 +47,18 @@ def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, prompts_and_pla
         assert output.sequences.tolist() == plain.tolist(), prompt_id
         drafted += output.strategy_stats.drafted_tokens
     assert drafted > 0
+
+
+def test_shipped_profile_is_applied_by_default_and_lossless(prompts_and_plain_outputs):
+    """`load_embedded()` applies the profile tuned for this device, and it stays lossless."""
+    from hf_selfspec.embedded import TUNED_CONFIG
+    from hf_selfspec.profiles import device_profile_key, read_profiles
+
+    model, _ = hf_selfspec.load_embedded()
+    key = device_profile_key(model.device, model.dtype)
+    profile = read_profiles(model.generation_config).get(key)
+    assert profile is not None, f"{TUNED_CONFIG} has no profile for {key}"
+    for prompt_id, inputs, plain in prompts_and_plain_outputs:
+        output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
+        assert output.strategy_stats.strategy == profile.strategy, prompt_id
+        assert output.sequences.tolist() == plain.tolist(), prompt_id

@@ -160,7 +160,7 @@ class _WrongTokensModel:
 
 def test_lossless_violation_fails_the_trial_loudly_and_the_study_goes_on(caplog):
     model = _WrongTokensModel()
-    prompt = PreparedPrompt("HumanEval/7", {"input_ids": torch.tensor([[5, 6]])}, reference_tokens=[1, 2, 3, 4])
+    prompt = PreparedPrompt("HumanEval/7", {"input_ids": torch.tensor([[5, 6]])}, reference_tokens=[1, 2, 3, 4], plain_seconds=1.0)
     objective = SpeedupObjective(
         model, [prompt], SearchConfig(), num_layers=4, generate_kwargs={"max_new_tokens": 4}, worker="test"
     )

@@ -22,6 +22,7 @@ from . import TuningError
 from .space import KNOBS, STRATEGY_KNOBS
 
 SAMPLERS = ("tpe", "random")
+OBJECTIVES = ("measured", "estimated")
 PRUNERS = ("median", "none")
 
 
@@ -67,6 +68,10 @@ class StudySettings:
     pruner: str = "median"
     heartbeat_interval: int = 30
     grace_period: int = 120
+    # "estimated": rank trials by teacher-forced acceptance and a timed cost model (seconds per
+    # trial), then measure the `confirm_top` best for real in the measured study of the config.
+    objective: str = "measured"
+    confirm_top: int = 3
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,8 @@ def _study(reader: _Reader) -> StudySettings:
         pruner=reader.choice(table, "study", "pruner", PRUNERS, defaults.pruner),
         heartbeat_interval=reader.at_least(table, "study", "heartbeat_interval", 1, defaults.heartbeat_interval),
         grace_period=reader.at_least(table, "study", "grace_period", 1, defaults.grace_period),
+        objective=reader.choice(table, "study", "objective", OBJECTIVES, defaults.objective),
+        confirm_top=reader.at_least(table, "study", "confirm_top", 0, defaults.confirm_top),
     )
     if settings.grace_period <= settings.heartbeat_interval:
         # A live worker would see its own running trial declared dead between two heartbeats.

@@ -40,6 +40,7 @@ class PreparedPrompt:
     inputs: dict[str, torch.Tensor]
     # Plain greedy decoding's new tokens: deterministic, so computed once per process.
     reference_tokens: list[int]
+    plain_seconds: float  # that plain decode's time, prefill included
 
 
 def prepare_prompts(
@@ -55,7 +56,7 @@ def prepare_prompts(
     for prompt in prompts:
         inputs = encode_prompt(tokenizer, prompt)
         run = timed_generate(model, inputs, strategy=PLAIN, **generate_kwargs)
-        prepared.append(PreparedPrompt(prompt.id, dict(inputs), run.new_tokens))
+        prepared.append(PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.seconds))
         tokens += len(run.new_tokens)
         seconds += run.seconds
     return prepared, tokens / seconds if seconds > 0 else 0.0

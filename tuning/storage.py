@@ -131,6 +131,12 @@ def derive_study_name(config: StudyConfig, device_key: str) -> str:
     )
 
 
+def estimated_study_name(measured_name: str) -> str:
+    """Estimates and measurements are not comparable values, so they live in separate studies;
+    the estimated one is named after the measured study its best trials are confirmed in."""
+    return f"{measured_name}:estimated"
+
+
 @dataclass(frozen=True)
 class StudyContext:
     """What a study measured, stored as study user attributes so that `export`, the dashboard

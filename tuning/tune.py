@@ -25,6 +25,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from . import TuningError
 from .config import StudyConfig
 from .dashboard import best_trial, count_states, write_study_note
+from .estimate import EstimatedSpeedupObjective, calibrate, calibrate_loop, check_supported, teacher_force
 from .objective import LosslessViolation, SpeedupObjective, prepare_prompts
 from .space import warm_start_trials
 from .storage import (
@@ -32,6 +33,7 @@ from .storage import (
     create_or_load_study,
     derive_study_name,
     display_url,
+    estimated_study_name,
     open_storage,
     resolve_storage_url,
 )
@@ -46,10 +48,17 @@ class TuneOutcome:
     study: optuna.Study
     storage_url: str
     this_run: dict[TrialState, int]
+    # With `objective = "estimated"`: the measured study the best estimates were confirmed in.
+    confirmed: optuna.Study | None = None
 
     @property
     def best(self) -> optuna.trial.FrozenTrial | None:
-        return best_trial(self.study)
+        return best_trial(self.confirmed or self.study)
+
+    @property
+    def export_study(self) -> optuna.Study:
+        """The study whose best trial is worth exporting: measured speedups beat estimates."""
+        return self.confirmed or self.study
 
 
 def library_versions() -> dict[str, str]:
@@ -117,6 +126,29 @@ class _Progress:
         self.bar.close()
 
 
+def _optimize(study: optuna.Study, objective, n_trials: int, timeout: float | None, callbacks, show_progress: bool):
+    """Run trials with our progress bar and per-trial lines; returns this run's trial counts."""
+    progress = _Progress(n_trials, show_progress)
+    optuna_logger = logging.getLogger("optuna")
+    previous_verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our per-trial line replaces Optuna's
+    try:
+        with logging_redirect_tqdm(loggers=[logging.getLogger("tuning"), optuna_logger]):
+            study.optimize(
+                objective,
+                n_trials=n_trials,
+                timeout=timeout,
+                catch=(LosslessViolation,),
+                callbacks=[progress, *callbacks],
+            )
+    finally:
+        progress.close()
+        optuna.logging.set_verbosity(previous_verbosity)
+        with contextlib.suppress(Exception):  # a note is a courtesy; never mask the real error
+            write_study_note(study)
+    return progress.this_run
+
+
 def run_tune(
     config: StudyConfig,
     storage_url: str | None = None,
@@ -125,7 +157,8 @@ def run_tune(
     show_progress: bool = True,
 ) -> TuneOutcome:
     """Tune until `n_trials` more trials ran in this process, or, without it, until the study
-    holds the config's trial budget of finished trials (counted over all workers)."""
+    holds the config's trial budget of finished trials (counted over all workers). An estimated
+    study then measures its `confirm_top` best trials for real in the config's measured study."""
     from hf_selfspec.layer_skip import decoder_layers
     from hf_selfspec.loading import load_model_and_tokenizer
     from hf_selfspec.profiles import device_profile_key
@@ -159,9 +192,19 @@ def run_tune(
         versions=library_versions(),
     )
 
+    estimated = config.study.objective == "estimated"
+    if estimated:
+        try:
+            check_supported(model)
+        except ValueError as error:
+            raise TuningError(str(error)) from None
+    measured_name = derive_study_name(config, device_key)
     storage = open_storage(storage_url, config.study.heartbeat_interval, config.study.grace_period)
     study, created = create_or_load_study(
-        storage, derive_study_name(config, device_key), _sampler(config, config.study.seed), _pruner(config)
+        storage,
+        estimated_study_name(measured_name) if estimated else measured_name,
+        _sampler(config, config.study.seed),
+        _pruner(config),
     )
     context.check_matches(study)
     if created:
@@ -182,6 +225,7 @@ def run_tune(
     context = dataclasses.replace(context, baseline_tokens_per_second=baseline_tps)
     context.save(study)
     write_study_note(study)
+    worker = f"{socket.gethostname()}:{os.getpid()}"
 
     callbacks = []
     if n_trials is None:
@@ -194,52 +238,78 @@ def run_tune(
                 f"The study already holds {finished} finished trials (budget {config.study.n_trials}); "
                 "pass --n-trials to run more."
             )
-            return TuneOutcome(study, storage_url, {state: 0 for state in FINISHED})
+            n_trials = 0
 
-    objective = SpeedupObjective(
-        model, prepared, config.search, num_layers, generate_kwargs, f"{socket.gethostname()}:{os.getpid()}"
-    )
-    progress = _Progress(n_trials, show_progress)
-    optuna_logger = logging.getLogger("optuna")
-    previous_verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our per-trial line replaces Optuna's
-    try:
-        with logging_redirect_tqdm(loggers=[logging.getLogger("tuning"), optuna_logger]):
-            study.optimize(
-                objective,
-                n_trials=n_trials,
-                timeout=timeout if timeout is not None else config.study.timeout,
-                catch=(LosslessViolation,),
-                callbacks=[progress, *callbacks],
-            )
-    finally:
-        progress.close()
-        optuna.logging.set_verbosity(previous_verbosity)
-        with contextlib.suppress(Exception):  # a note is a courtesy; never mask the real error
-            write_study_note(study)
-    return TuneOutcome(study, storage_url, progress.this_run)
+    if estimated:
+        print("Timing the forward passes for the cost model...", flush=True)
+        forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
+        max_draft = int(config.search.range_of("max_draft_tokens")[1])
+        cost = calibrate(model, forced, num_layers, max_verify_tokens=max_draft + 1)
+        cost = calibrate_loop(model, cost, forced, generate_kwargs)
+        objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker)
+    else:
+        objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker)
+    this_run = {state: 0 for state in FINISHED}
+    if n_trials > 0:
+        this_run = _optimize(
+            study, objective, n_trials, timeout if timeout is not None else config.study.timeout, callbacks, show_progress
+        )
+    outcome = TuneOutcome(study, storage_url, this_run)
+    if estimated and config.study.confirm_top:
+        measuring = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker)
+        outcome.confirmed = _confirm(storage, measured_name, study, context, config, measuring, show_progress)
+    return outcome
+
+
+def _confirm(storage, measured_name: str, estimated: optuna.Study, context: StudyContext, config: StudyConfig, measuring, show_progress: bool) -> optuna.Study:
+    """Measure the best estimated trials by real decoding, as trials of the measured study.
+
+    Each is enqueued once (a trial with the same parameters already there is not repeated), and
+    remembers the estimate it came from, so the two can be compared side by side.
+    """
+    measured, _ = create_or_load_study(storage, measured_name, _sampler(config, None), optuna.pruners.NopPruner())
+    context.check_matches(measured)
+    context.save(measured)
+    complete = estimated.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    for trial in sorted(complete, key=lambda t: t.value, reverse=True)[: config.study.confirm_top]:
+        measured.enqueue_trial(
+            trial.params,
+            user_attrs={"estimated_speedup": trial.value, "estimated_trial": trial.number},
+            skip_if_exists=True,
+        )
+    waiting = len(measured.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    if waiting:
+        print(f"Confirming {waiting} estimated trial(s) by real decoding in study {measured_name!r}", flush=True)
+        _optimize(measured, measuring, waiting, None, [], show_progress)
+    return measured
+
+
+def _best_rows(label: str, best: optuna.trial.FrozenTrial | None) -> list[str]:
+    if best is None:
+        return [f"{label:<18}(no trial completed yet)"]
+    verdict = "" if best.value > 1 else "  (no faster than plain decoding)"
+    return [
+        f"{label:<18}{best.value:.2f}x  (trial {best.number}){verdict}",
+        f"{'acceptance rate':<18}{best.user_attrs['acceptance_rate']:.0%}",
+        f"{'skip ratio':<18}{best.user_attrs['skip_ratio']:.0%}",
+    ]
 
 
 def format_summary(outcome: TuneOutcome) -> str:
     study = outcome.study
-    best = outcome.best
     in_study = count_states(study.get_trials(deepcopy=False))
-    rows = [
-        f"Study    {study.study_name}",
-        f"Storage  {display_url(outcome.storage_url)}",
-        "",
-    ]
-    if best is None:
-        rows.append("best speedup      (no trial completed yet)")
-    else:
-        verdict = "" if best.value > 1 else "  (no faster than plain decoding yet)"
-        rows += [
-            f"best speedup      {best.value:.2f}x  (trial {best.number}){verdict}",
-            f"acceptance rate   {best.user_attrs['acceptance_rate']:.0%}",
-            f"skip ratio        {best.user_attrs['skip_ratio']:.0%}",
-        ]
+    estimated = study.study_name.endswith(estimated_study_name(""))
+    rows = [f"Study    {study.study_name}", f"Storage  {display_url(outcome.storage_url)}", ""]
+    rows += _best_rows("best estimate" if estimated else "best speedup", best_trial(study))
     rows += ["", f"{'trials':<12}{'this run':>10}{'study':>10}"]
     rows.append(f"{'ran':<12}{sum(outcome.this_run.values()):>10}{sum(in_study.values()):>10}")
     for state, label in ((TrialState.COMPLETE, "complete"), (TrialState.PRUNED, "pruned"), (TrialState.FAIL, "failed")):
         rows.append(f"{label:<12}{outcome.this_run.get(state, 0):>10}{in_study[state]:>10}")
+    if outcome.confirmed is not None:
+        rows += ["", f"Measured by real decoding in {outcome.confirmed.study_name}:"]
+        for trial in outcome.confirmed.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            estimate = trial.user_attrs.get("estimated_speedup")
+            came_from = f" (estimated {estimate:.2f}x)" if estimate is not None else ""
+            rows.append(f"  trial {trial.number}: {trial.value:.2f}x{came_from}")
+        rows += _best_rows("best measured", best_trial(outcome.confirmed))
     return "\n".join(rows)

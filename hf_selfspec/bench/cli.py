@@ -132,6 +132,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "generation and our target_confidence_gated strategy drafting with it",
     )
     parser.add_argument(
+        "--contenders",
+        metavar="NAME[,NAME...]",
+        help="run only these contenders besides the baseline, for example "
+        "'prompt_lookup,target_confidence_gated' to leave out the slow early exit "
+        "(default: all; names as in the table)",
+    )
+    parser.add_argument(
         "--device", help="device to run on, e.g. cpu, cuda or cuda:1 (default: cuda when available, else cpu)"
     )
     parser.add_argument(
@@ -202,6 +209,24 @@ def _load_assistant(path: str, tokenizer, device: str, dtype: str):
     return assistant
 
 
+def select_contenders(contenders: list, names: str | None) -> list:
+    """The baseline and the named contenders, in the bench's own order; every contender when
+    `names` is None."""
+    from .contenders import BASELINE
+
+    if names is None:
+        return contenders
+    wanted = {name.strip() for name in names.split(",") if name.strip()}
+    known = {contender.name for contender in contenders}
+    unknown = sorted(wanted - known)
+    if unknown or not wanted:
+        raise ValueError(
+            f"--contenders {names}: unknown {', '.join(unknown) or 'empty list'}; "
+            f"choose from {', '.join(sorted(known - {BASELINE}))}"
+        )
+    return [contender for contender in contenders if contender.name == BASELINE or contender.name in wanted]
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import available_strategies
     from ..loading import load_model_and_tokenizer
@@ -232,8 +257,10 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as error:
         return _fail(f"cannot load --assistant {args.assistant}: {error}")
     try:
-        contenders = build_contenders(model, available_strategies(), assistant=assistant)
-    except ValueError as error:  # a tuned profile that does not fit this model
+        contenders = select_contenders(
+            build_contenders(model, available_strategies(), assistant=assistant), args.contenders
+        )
+    except ValueError as error:  # a tuned profile that does not fit this model, an unknown name
         return _fail(error)
     command = {key: value for key, value in vars(args).items() if key != "func"}
     results = run_benchmark(

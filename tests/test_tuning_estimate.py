@@ -1,0 +1,156 @@
+"""The estimated objective: the draft pass, the replay of the decoding loop, and the study that
+confirms its best estimates by real decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optuna.trial import TrialState
+from transformers import LogitsProcessorList
+from tuning_helpers import write_study_config
+
+from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.drafters import DecodingState, LayerSkipDrafter
+from hf_selfspec.layer_skip import LayerSkipper
+from hf_selfspec.params import resolve_params
+from hf_selfspec.policies import ExitPolicy
+from hf_selfspec.selection import TokenSelector
+from tiny_models import NUM_LAYERS, tiny_model
+from tuning.config import StudyConfigError, load_study_config
+from tuning.estimate import CostModel, check_supported, draft_predictions, replay_decode, teacher_force
+from tuning.export import export_profile
+from tuning.objective import PreparedPrompt
+from tuning.space import decode_params
+from tuning.tune import format_summary, run_tune
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def sharp_llama():
+    # Sharp weights make confident, repetitive text: long accepted runs, lookup hits, a gate that
+    # opens and closes. No EOS: past it a real draft's acceptances are not in the reference.
+    model = tiny_model("llama", initializer_range=0.3)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _prepared(model, length: int, seed: int) -> PreparedPrompt:
+    prompt = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    plain = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain")
+    return PreparedPrompt(f"p{seed}", {"input_ids": prompt}, plain[0, length:].tolist(), plain_seconds=1.0)
+
+
+def _free(num_layers: int) -> CostModel:
+    """Costs do not matter to the counters."""
+    return CostModel(num_layers, (0.0,) * 16, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "strategy, knobs",
+    [
+        ("self_speculative", {"max_draft_tokens": 3, "draft_exit_threshold": 0.0}),
+        ("adaptive_draft_exit", {"max_draft_tokens": 6, "draft_exit_threshold": 0.5}),
+        ("target_confidence_gated", {"target_confidence_threshold": 0.6, "prompt_lookup_tokens": 4}),
+    ],
+)
+def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, strategy, knobs):
+    """With nothing skipped every draft token is accepted, so the replay must match a real
+    decode step for step: same drafts, same acceptances, same plain steps."""
+    params = resolve_params(NUM_LAYERS, {"attn_skip_layers": [], "mlp_skip_layers": [], **knobs})
+    replayed_steps = 0
+    for seed, length in enumerate((5, 11, 17)):
+        prompt = _prepared(sharp_llama, length, seed)
+        data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
+        _, replayed = replay_decode(
+            data, params, strategy, *draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS)
+        )
+        real = sharp_llama.generate(
+            prompt.inputs["input_ids"],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            strategy=strategy,
+            return_dict_in_generate=True,
+            **params.as_dict(),
+        ).strategy_stats
+        assert replayed.accepted_lengths == real.accepted_lengths, seed
+        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
+        replayed_steps += replayed.verification_steps
+    assert replayed_steps > 0
+
+
+@pytest.mark.parametrize("draft_vocab_size", [0, 24])
+def test_draft_pass_predicts_what_a_real_draft_proposes_first(sharp_llama, draft_vocab_size):
+    """Row j of the masked pass is the draft after j + 1 committed tokens, reading the full
+    model's KV for all of them, exactly like the first token of a real draft there."""
+    params = resolve_params(
+        NUM_LAYERS, {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2], "draft_vocab_size": draft_vocab_size}
+    )
+    prompt = _prepared(sharp_llama, 9, seed=7)
+    data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
+    tokens, confidence = draft_predictions(sharp_llama, data, params)
+    assert len(tokens) == len(prompt.reference_tokens) - 1
+    selector = TokenSelector(LogitsProcessorList(), do_sample=False)
+    cache = DraftAwareCache(sharp_llama.config)
+    skipper = LayerSkipper(sharp_llama, params.attn_skip_layers, params.mlp_skip_layers)
+    # One drafter throughout, first asked after one committed token: a restricted head picks its
+    # rows then, from the text so far, as in a real decode.
+    drafter = LayerSkipDrafter(sharp_llama, cache, skipper, draft_vocab_size)
+    for committed in (1, 5, 12, len(prompt.reference_tokens) - 1):
+        length = data.prompt_length + committed
+        with torch.no_grad():
+            cache.rollback(0)
+            sharp_llama(input_ids=data.full_text[None, : length - 1], past_key_values=cache, use_cache=True)
+            sequence = torch.zeros((1, length + 1), dtype=torch.long)
+            sequence[0, :length] = data.full_text[:length]
+            state = DecodingState(sequence, torch.arange(length + 1)[None], length)
+            draft = drafter.propose(state, 1, ExitPolicy(0.0), selector)
+        assert draft.tokens[0] == tokens[committed - 1], committed
+        assert float(draft.distributions[0].max()) == pytest.approx(confidence[committed - 1], rel=1e-4)
+    drafter.close()
+
+
+def test_sliding_window_models_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_supported(tiny_model("mistral"))
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('objective = "fastest"', "study.objective: must be one of measured, estimated"),
+        ("confirm_top = -1", "study.confirm_top: must be at least 0"),
+    ],
+)
+def test_bad_objective_settings_name_the_key(tmp_path, tiny_llama_dir, line, message):
+    path = write_study_config(tmp_path / "bad.toml", tiny_llama_dir, "sqlite://", study=line)
+    with pytest.raises(StudyConfigError, match=message):
+        load_study_config(path)
+
+
+def test_estimated_study_confirms_its_best_trials_by_real_decoding(tmp_path, tiny_llama_dir):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    path = write_study_config(
+        tmp_path / "study.toml",
+        tiny_llama_dir,
+        storage,
+        strategy="target_confidence_gated",
+        max_new_tokens=10,
+        study='objective = "estimated"\nconfirm_top = 2',
+    )
+    outcome = run_tune(load_study_config(path), n_trials=6, show_progress=False)
+
+    estimated = outcome.study.get_trials(states=(TrialState.COMPLETE,))
+    assert outcome.study.study_name.endswith(":estimated") and len(estimated) == 6
+    assert all(trial.user_attrs["objective"] == "estimated" for trial in estimated)
+    top = sorted(estimated, key=lambda trial: trial.value, reverse=True)[:2]
+    confirmed = outcome.confirmed.get_trials(states=(TrialState.COMPLETE,))
+    assert outcome.confirmed.study_name == outcome.study.study_name.removesuffix(":estimated")
+    assert [trial.params for trial in confirmed] == [trial.params for trial in top]
+    assert [trial.user_attrs["estimated_speedup"] for trial in confirmed] == [trial.value for trial in top]
+    assert "Measured by real decoding" in format_summary(outcome)
+
+    result = export_profile(storage, outcome.export_study.study_name, tmp_path / "export")
+    best = max(confirmed, key=lambda trial: trial.value)
+    assert result.profile.measured["trial"] == best.number
+    assert result.profile.params == decode_params(best.params, "target_confidence_gated", NUM_LAYERS)

@@ -1,0 +1,399 @@
+"""A fast stand-in for measuring a trial: teacher-forced acceptance and a calibrated cost model.
+
+Under greedy decoding the verifier's tokens are known once plain decoding has run, so whether a
+draft token is accepted depends only on whether the draft predicts that known continuation.
+One forward pass of the draft over the continuation yields every prediction at once; replaying
+the decoding loop's rules over them (prompt lookup first, the gate, the exit policy, the
+longest accepted prefix plus the verifier's own token) counts the forward passes a real decode
+would run, and a cost model timed once per process turns the counts into seconds. A trial then
+costs one draft pass per prompt instead of two timed decodes, and its value carries no timing
+noise, which the sampler needs more than it needs the last few percent of accuracy.
+
+What is approximated: in a real decode the draft reads the full model's KV for every committed
+token; the teacher-forced pass reads its own for the continuation (the prompt's KV is the full
+model's in both). Exit and gate decisions after a rejected token use the teacher-forced
+confidences. Logits processors are not applied. So the estimate ranks trials; the top ones are
+then confirmed by real decoding (`confirm_top`), and only measured speedups are reported as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import optuna
+import torch
+from transformers import LogitsProcessorList
+
+from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.drafters import DecodingState, LayerSkipDrafter, RestrictedDraftHead, lookup_continuation
+from hf_selfspec.layer_skip import LayerSkipper
+from hf_selfspec.measure import timed_generate
+from hf_selfspec.params import SelfSpecParams, resolve_params
+from hf_selfspec.policies import ExitPolicy
+from hf_selfspec.selection import TokenSelector
+from hf_selfspec.stats import StrategyStats
+from hf_selfspec.strategies import resolve_strategy
+
+from .config import SearchConfig
+from .objective import PreparedPrompt
+from .space import skip_ratio, suggest_params
+
+# Draft steps timed per calibration point, and rounds per timing. The median, not the minimum:
+# the estimate must match what decoding typically pays, not the machine's best moment.
+_CALIBRATION_TOKENS = 6
+_CALIBRATION_ROUNDS = 5
+# Two restricted-head sizes pin down the head's cost as a line in the number of rows it keeps.
+_HEAD_SIZES = (2048, 16384)
+_HEAD_ROUNDS = 25
+_VERIFY_ROUNDS = 7
+
+
+def _typical(run, rounds: int = _CALIBRATION_ROUNDS) -> float:
+    timings = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        run()
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per forward pass, timed on this machine.
+
+    Every decoder layer has the same shapes, so a draft step costs a constant plus a fixed amount
+    per attention and per MLP sub-layer that runs, plus its LM head (a line in the rows kept
+    when the head is restricted). The verifier's cost is timed at every width it may check,
+    because on a CPU it is far from linear: one token takes the matrix-vector path, and two
+    already cost nearly twice as much. Overheads are what a step spends beyond its forward
+    passes: in plain `generate`, and in our decoding loop.
+    """
+
+    num_layers: int
+    verify_seconds: tuple[float, ...]  # index k: one forward pass over k tokens
+    plain_step_overhead: float
+    draft_constant: float
+    attention_seconds: float
+    mlp_seconds: float
+    restricted_head_constant: float  # relative to the full head
+    restricted_head_per_row: float
+    loop_step_overhead: float = 0.0
+
+    def draft_token_seconds(self, params: SelfSpecParams) -> float:
+        attention_run = self.num_layers - len(params.attn_skip_layers)
+        mlp_run = self.num_layers - len(params.mlp_skip_layers)
+        seconds = self.draft_constant + attention_run * self.attention_seconds + mlp_run * self.mlp_seconds
+        if params.draft_vocab_size:
+            seconds += self.restricted_head_constant + params.draft_vocab_size * self.restricted_head_per_row
+        return max(seconds, 0.0)
+
+    def verify(self, tokens: int) -> float:
+        return self.verify_seconds[min(tokens, len(self.verify_seconds) - 1)]
+
+
+@dataclass(frozen=True)
+class TeacherForcedPrompt:
+    """What every trial reads for one prompt: plain decoding's tokens, the full model's
+    confidence in each, and the full model's KV of the whole text, which a real draft reads for
+    every token already committed."""
+
+    prompt: PreparedPrompt
+    prompt_length: int
+    full_text: torch.Tensor  # [P + n]: prompt and plain decoding's continuation
+    verifier_confidence: tuple[float, ...]  # the full model's probability of each continuation token
+    cache: DraftAwareCache  # full-model KV of full_text[:-1]; rolled back to that after every use
+    prefill_seconds: float
+    max_new_tokens: int
+
+    @property
+    def reference(self) -> list[int]:
+        return self.prompt.reference_tokens
+
+    @property
+    def kv_length(self) -> int:
+        return self.full_text.shape[0] - 1
+
+
+def _forward(model, input_ids: torch.Tensor, start: int, cache: DraftAwareCache, logits_to_keep: int, **kwargs):
+    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    return model(
+        input_ids=input_ids,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+        **kwargs,
+    )
+
+
+def check_supported(model) -> None:
+    """The draft pass masks attention by hand, one mask for every layer, which cannot express a
+    sliding window."""
+    config = model.config
+    if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError(
+            f"objective = \"estimated\" does not support {type(model).__name__}'s sliding-window attention; "
+            "use objective = \"measured\""
+        )
+
+
+@torch.no_grad()
+def teacher_force(model, prompt: PreparedPrompt, max_new_tokens: int) -> TeacherForcedPrompt:
+    prompt_ids = prompt.inputs["input_ids"].to(model.device)
+    length = prompt_ids.shape[1]
+    reference = torch.tensor(prompt.reference_tokens, device=model.device)
+    full_text = torch.cat([prompt_ids[0], reference])
+    cache = DraftAwareCache(model.config)
+    prefill_seconds = _typical(lambda: (cache.rollback(0), _forward(model, prompt_ids, 0, cache, 1)), rounds=2)
+    # The verifier's probabilities of its own tokens, for the gate: row j scores continuation token j.
+    cache.rollback(length - 1)
+    logits = _forward(model, full_text[None, length - 1 : -1], length - 1, cache, 0).logits[0]
+    confidence = torch.softmax(logits.float(), dim=-1).gather(-1, reference[:, None])[:, 0]
+    return TeacherForcedPrompt(
+        prompt, length, full_text, tuple(confidence.tolist()), cache, prefill_seconds, max_new_tokens
+    )
+
+
+@torch.no_grad()
+def calibrate(model, prompts: Sequence[TeacherForcedPrompt], num_layers: int, max_verify_tokens: int) -> CostModel:
+    """Time the verifier at every width and the draft at a few skip sets, after the first prompt.
+
+    What the prompts' plain decodes spent beyond their prefill and one forward per token is the
+    per-step overhead (the median, since the first decode of a process also pays its warm-up).
+    """
+    sample = prompts[0]
+    cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
+
+    # Widths are timed round-robin, so drift in the machine's speed spreads over all of them
+    # instead of bending the curve.
+    rounds: list[list[float]] = [[] for _ in range(max_verify_tokens + 1)]
+    for _ in range(_VERIFY_ROUNDS):
+        for tokens in range(1, max_verify_tokens + 1):
+            started = time.perf_counter()
+            _forward(model, text[None, -tokens:], kv_length, cache, tokens)
+            rounds[tokens].append(time.perf_counter() - started)
+            cache.rollback(kv_length)
+    verify_seconds = (0.0, *(statistics.median(timings) for timings in rounds[1:]))
+    overheads = sorted(
+        (data.prompt.plain_seconds - data.prefill_seconds - (len(data.reference) - 1) * verify_seconds[1])
+        / len(data.reference)
+        for data in prompts
+        if len(data.reference) > 1
+    )
+
+    def draft(attn_skip: Sequence[int], mlp_skip: Sequence[int], vocab: int) -> float:
+        skipper = LayerSkipper(model, tuple(attn_skip), tuple(mlp_skip))
+        drafter = LayerSkipDrafter(model, cache, skipper, vocab)
+        sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
+        sequence[0, : kv_length + 1] = text
+        state = DecodingState(sequence, torch.arange(sequence.shape[1], device=text.device)[None], kv_length + 1)
+        selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
+
+        def run():
+            drafter.propose(state, _CALIBRATION_TOKENS, never_exit, selector)
+            cache.rollback(kv_length)
+
+        try:
+            return _typical(run) / _CALIBRATION_TOKENS
+        finally:
+            drafter.close()
+
+    all_but_first = range(1, num_layers)
+    full = draft((), (), 0)
+    one_attention = draft(all_but_first, (), 0)
+    one_mlp = draft((), all_but_first, 0)
+    # The head alone, timed directly: its share of a draft step is too small to read off
+    # whole-step timings through their noise.
+    hidden = torch.zeros((1, model.config.hidden_size), dtype=model.dtype, device=text.device)
+    full_head = _typical(lambda: model.get_output_embeddings()(hidden), rounds=_HEAD_ROUNDS)
+    small_head, large_head = (
+        _typical(partial(RestrictedDraftHead(model, size, text[:1]), hidden), rounds=_HEAD_ROUNDS) for size in _HEAD_SIZES
+    )
+    spread = max(num_layers - 1, 1)
+    attention_seconds = (full - one_attention) / spread
+    mlp_seconds = (full - one_mlp) / spread
+    per_row = (large_head - small_head) / (_HEAD_SIZES[1] - _HEAD_SIZES[0])
+    return CostModel(
+        num_layers=num_layers,
+        verify_seconds=verify_seconds,
+        plain_step_overhead=max(overheads[len(overheads) // 2], 0.0) if overheads else 0.0,
+        draft_constant=full - num_layers * (attention_seconds + mlp_seconds),
+        attention_seconds=attention_seconds,
+        mlp_seconds=mlp_seconds,
+        restricted_head_constant=small_head - full_head - _HEAD_SIZES[0] * per_row,
+        restricted_head_per_row=per_row,
+    )
+
+
+# Drafting with the full model itself: acceptance is certain, so the replay is exact and the
+# only unknown left is what the loop spends per step beyond its forward passes.
+_LOOP_PROBE = {"attn_skip_layers": [], "mlp_skip_layers": [], "max_draft_tokens": 3, "draft_exit_threshold": 0.0}
+
+
+def calibrate_loop(
+    model, cost: CostModel, prompts: Sequence[TeacherForcedPrompt], generate_kwargs: dict[str, Any]
+) -> CostModel:
+    """Add our decoding loop's own per-step overhead, from one real decode of every prompt."""
+    params = resolve_params(cost.num_layers, _LOOP_PROBE)
+    real = modelled = steps = 0.0
+    for data in prompts:
+        seconds, stats = replay_decode(data, params, "self_speculative", *draft_predictions(model, data, params), cost)
+        modelled += seconds
+        steps += stats.verification_steps + stats.plain_steps + 1
+        real += timed_generate(
+            model, data.prompt.inputs, strategy="self_speculative", **params.as_dict(), **generate_kwargs
+        ).seconds
+    return dataclasses.replace(cost, loop_step_overhead=max((real - modelled) / steps, 0.0))
+
+
+def _committed_kv_mask(data: TeacherForcedPrompt, dtype: torch.dtype) -> torch.Tensor:
+    """Draft query j (at position P + j) sees the full model's KV before it, as a real draft
+    does for committed text, and its own KV, which the pass appends after the full model's."""
+    rows, kv_length = data.kv_length - data.prompt_length, data.kv_length
+    query = torch.arange(rows, device=data.full_text.device)[:, None]
+    key = torch.arange(kv_length + rows, device=data.full_text.device)[None, :]
+    visible = (key < data.prompt_length + query) | (key == kv_length + query)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
+@torch.no_grad()
+def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> tuple[list[int], list[float]]:
+    """The draft's token and confidence after each committed continuation token: entry j is its
+    guess at continuation token j + 1, all read from one masked pass."""
+    length, cache = data.prompt_length, data.cache
+    if data.kv_length == length:  # a one-token continuation leaves nothing to draft
+        return [], []
+    continuation = data.full_text[None, length:-1]
+    inputs = {
+        "input_ids": continuation,
+        "position_ids": torch.arange(length, data.kv_length, device=continuation.device)[None],
+        "past_key_values": cache,
+        "use_cache": True,
+        "attention_mask": _committed_kv_mask(data, model.dtype),
+    }
+    skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
+    try:
+        with skipper.drafting(cache):
+            if params.draft_vocab_size:
+                # The same subset a real draft builds: low ids plus the prompt and the first token.
+                head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: length + 1])
+                hidden = model.get_decoder()(**inputs).last_hidden_state[0]
+                probabilities = torch.softmax(head.subset_logits(hidden).float(), dim=-1)
+                confidence, rows = probabilities.max(dim=-1)
+                tokens = head.token_ids[rows]
+            else:
+                logits = model(**inputs, logits_to_keep=0).logits[0]
+                confidence, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+    finally:
+        cache.rollback(data.kv_length)
+        skipper.close()
+    return tokens.tolist(), confidence.tolist()
+
+
+def replay_decode(
+    data: TeacherForcedPrompt,
+    params: SelfSpecParams,
+    strategy: str,
+    draft_tokens: Sequence[int],
+    draft_confidence: Sequence[float],
+    cost: CostModel,
+) -> tuple[float, StrategyStats]:
+    """Replay `speculative_decode` over the known continuation: the estimated seconds and the
+    counters a real decode would report."""
+    builder = resolve_strategy(strategy)
+    exit_policy, gate = builder.build_exit_policy(params), builder.build_gate(params)
+    reference, prompt_length = data.reference, data.prompt_length
+    draft_token_seconds = cost.draft_token_seconds(params)
+    stats = StrategyStats(strategy=strategy)
+    seconds = data.prefill_seconds + cost.loop_step_overhead
+    committed = 1  # the prefill's own token
+    if gate.needs_confidence:
+        gate.update(data.verifier_confidence[0])
+    while committed < len(reference):
+        proposals: list[int] = []
+        model_drafted = 0
+        room = data.max_new_tokens - committed
+        if room > 1:
+            limit = min(params.max_draft_tokens, room - 1)
+            if params.prompt_lookup_tokens:
+                text = data.full_text[: prompt_length + committed]
+                proposals = lookup_continuation(text, params.prompt_lookup_ngram, min(limit, params.prompt_lookup_tokens))
+            if not proposals and gate.should_draft():
+                for row in range(committed - 1, min(committed - 1 + limit, len(draft_tokens))):
+                    proposals.append(draft_tokens[row])
+                    model_drafted += 1
+                    if draft_confidence[row] < exit_policy.threshold:
+                        break
+        accepted = 0
+        while (
+            accepted < len(proposals)
+            and committed + accepted < len(reference)
+            and proposals[accepted] == reference[committed + accepted]
+        ):
+            accepted += 1
+        seconds += model_drafted * draft_token_seconds + cost.verify(len(proposals) + 1) + cost.loop_step_overhead
+        committed = min(committed + accepted + 1, len(reference))
+        if proposals:
+            exit_policy.update(accepted, len(proposals))
+            stats.verification_steps += 1
+            stats.drafted_tokens += len(proposals)
+            stats.accepted_tokens += accepted
+            stats.accepted_lengths.append(accepted)
+        else:
+            stats.plain_steps += 1
+        if gate.needs_confidence:
+            gate.update(data.verifier_confidence[committed - 1])
+    return seconds, stats
+
+
+def plain_seconds(data: TeacherForcedPrompt, cost: CostModel) -> float:
+    """Plain decoding in the same units: the prefill, then one forward and overhead per token."""
+    return data.prefill_seconds + len(data.reference) * cost.plain_step_overhead + (len(data.reference) - 1) * cost.verify(1)
+
+
+class EstimatedSpeedupObjective:
+    """`study.optimize`'s objective when the study config says `objective = "estimated"`."""
+
+    def __init__(self, model, prompts: Sequence[TeacherForcedPrompt], cost: CostModel, search: SearchConfig, worker: str):
+        self.model, self.prompts, self.cost, self.search, self.worker = model, prompts, cost, search, worker
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        num_layers = self.cost.num_layers
+        values = suggest_params(trial, self.search, num_layers)
+        trial.set_user_attr("worker", self.worker)
+        trial.set_user_attr("attn_skip_layers", values["attn_skip_layers"])
+        trial.set_user_attr("mlp_skip_layers", values["mlp_skip_layers"])
+        trial.set_user_attr("skip_ratio", skip_ratio(values, num_layers))
+        try:
+            params = resolve_params(num_layers, values)
+        except ValueError as error:
+            raise optuna.TrialPruned(f"invalid skip set: {error}") from None
+        totals, baseline, candidate, tokens = StrategyStats(), 0.0, 0.0, 0
+        for data in self.prompts:
+            predicted = draft_predictions(self.model, data, params)
+            seconds, stats = replay_decode(data, params, self.search.strategy, *predicted, self.cost)
+            totals.add(stats)
+            baseline += plain_seconds(data, self.cost)
+            candidate += seconds
+            tokens += len(data.reference)
+        speedup = baseline / candidate
+        attrs: dict[str, Any] = {
+            "objective": "estimated",
+            "speedup": speedup,
+            "acceptance_rate": totals.acceptance_rate,
+            "mean_accepted_length": totals.mean_accepted_length,
+            "tokens_per_second": tokens / candidate,
+            "baseline_tokens_per_second": tokens / baseline,
+            "draft_token_seconds": self.cost.draft_token_seconds(params),
+            "prompts_measured": len(self.prompts),
+        }
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        return speedup
