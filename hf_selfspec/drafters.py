@@ -181,10 +181,11 @@ class AssistantDrafter(Drafter):
         self.cache.rollback(self.kv_length)
 
 
-def lookup_continuation(sequence: torch.Tensor, max_ngram: int, max_tokens: int) -> list[int]:
+def lookup_continuation(sequence: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
     """What followed the latest earlier occurrence of the longest matching suffix n-gram of the
-    1-D `sequence` (at most `max_tokens` tokens; empty if no n-gram up to `max_ngram` recurs)."""
-    for ngram in range(min(max_ngram, sequence.shape[0] - 1), 0, -1):
+    1-D `sequence` (at most `max_tokens` tokens; empty if no n-gram of `min_ngram` to
+    `max_ngram` tokens recurs)."""
+    for ngram in range(min(max_ngram, sequence.shape[0] - 1), min_ngram - 1, -1):
         pattern = sequence[-ngram:]
         windows = sequence[:-1].unfold(0, ngram, 1)  # every earlier n-gram, by start index
         starts = torch.nonzero((windows == pattern).all(dim=1)).flatten()
@@ -204,12 +205,13 @@ class PromptLookupDrafter(Drafter):
     fallback still proposes.
     """
 
-    def __init__(self, fallback: Drafter, max_ngram: int, max_lookup_tokens: int):
-        self.fallback, self.max_ngram, self.max_lookup_tokens = fallback, max_ngram, max_lookup_tokens
+    def __init__(self, fallback: Drafter, min_ngram: int, max_ngram: int, max_lookup_tokens: int):
+        self.fallback, self.max_lookup_tokens = fallback, max_lookup_tokens
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
     def propose_free(self, state, max_tokens):
         tokens = lookup_continuation(
-            state.sequence[0, : state.length], self.max_ngram, min(max_tokens, self.max_lookup_tokens)
+            state.sequence[0, : state.length], self.min_ngram, self.max_ngram, min(max_tokens, self.max_lookup_tokens)
         )
         if tokens:
             state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)

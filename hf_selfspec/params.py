@@ -31,6 +31,9 @@ class SelfSpecParams:
     target_confidence_threshold: float = 0.5
     prompt_lookup_tokens: int = 0
     prompt_lookup_ngram: int = 3
+    # A lone matching token predicts little (on this project's CPU a rejected lookup costs most
+    # of a forward pass), so by default a lookup needs at least two tokens of context to match.
+    prompt_lookup_min_ngram: int = 2
     draft_vocab_size: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -50,7 +53,13 @@ _PROBABILITY_KEYS = (
     "threshold_ema",
     "target_confidence_threshold",
 )
-_COUNT_KEYS = {"max_draft_tokens": 1, "prompt_lookup_tokens": 0, "prompt_lookup_ngram": 1, "draft_vocab_size": 0}
+_COUNT_KEYS = {
+    "max_draft_tokens": 1,
+    "prompt_lookup_tokens": 0,
+    "prompt_lookup_ngram": 1,
+    "prompt_lookup_min_ngram": 1,
+    "draft_vocab_size": 0,
+}
 
 
 def default_skip_layers(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -114,4 +123,10 @@ def resolve_params(
     for key, minimum in _COUNT_KEYS.items():
         if key in merged and merged[key] < minimum:
             raise ValueError(f"{key} must be >= {minimum}, got {merged[key]}")
-    return SelfSpecParams(**merged)
+    params = SelfSpecParams(**merged)
+    if params.prompt_lookup_min_ngram > params.prompt_lookup_ngram:
+        raise ValueError(
+            f"prompt_lookup_min_ngram ({params.prompt_lookup_min_ngram}) must not exceed "
+            f"prompt_lookup_ngram ({params.prompt_lookup_ngram})"
+        )
+    return params

@@ -47,7 +47,9 @@ class Strategy:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
             drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size)
         if params.prompt_lookup_tokens:
-            drafter = PromptLookupDrafter(drafter, params.prompt_lookup_ngram, params.prompt_lookup_tokens)
+            drafter = PromptLookupDrafter(
+                drafter, params.prompt_lookup_min_ngram, params.prompt_lookup_ngram, params.prompt_lookup_tokens
+            )
         return drafter
 
     def build(

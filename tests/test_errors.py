@@ -38,6 +38,10 @@ def test_unknown_strategy_lists_available(model):
             {"attn_skip_layers": list(range(NUM_LAYERS)), "mlp_skip_layers": list(range(NUM_LAYERS))},
             "skip every layer",
         ),
+        (
+            {"prompt_lookup_tokens": 4, "prompt_lookup_min_ngram": 4},
+            r"prompt_lookup_min_ngram \(4\) must not exceed prompt_lookup_ngram \(3\)",
+        ),
         ({"draft_exit_threshold": 1.5}, r"draft_exit_threshold must lie in \[0, 1\]"),
         ({"target_confidence_threshold": -0.1}, r"target_confidence_threshold must lie in \[0, 1\]"),
         ({"target_acceptance": 2}, r"target_acceptance must lie in \[0, 1\]"),

@@ -73,3 +73,17 @@ def test_closed_gate_still_verifies_free_prompt_lookup_proposals():
     assert without_lookup.strategy_stats.drafted_tokens == 0
     assert with_lookup.strategy_stats.drafted_tokens > 0
     assert with_lookup.sequences.tolist() == without_lookup.sequences.tolist() == plain.tolist()
+
+
+def test_lookup_needs_a_match_of_at_least_min_ngram_tokens():
+    import torch
+
+    from hf_selfspec.drafters import lookup_continuation
+
+    # "7 8" recurs only as the single token 8 (followed by 9 earlier): a one-token match.
+    one_token = torch.tensor([5, 8, 9, 10, 11, 7, 8])
+    assert lookup_continuation(one_token, 1, 3, 4) == [9, 10, 11, 7]
+    assert lookup_continuation(one_token, 2, 3, 4) == []
+    # "10 11" recurs: the two-token match proposes what followed it, the longest match wins.
+    two_tokens = torch.tensor([10, 11, 4, 5, 6, 2, 10, 11])
+    assert lookup_continuation(two_tokens, 2, 3, 2) == [4, 5]

@@ -80,9 +80,11 @@ CASES = {
     "adaptive_draft_exit": dict(strategy="adaptive_draft_exit", **SKIP),
     "target_confidence_gated": dict(strategy="target_confidence_gated", target_confidence_threshold=0.0,
                                     draft_exit_threshold=0.0, **SKIP),
-    "prompt_lookup": dict(strategy="self_speculative", prompt_lookup_tokens=2, draft_exit_threshold=0.0, **SKIP),
+    # One-token matches (min n-gram 1) make lookup propose often even on short prompts.
+    "prompt_lookup": dict(strategy="self_speculative", prompt_lookup_tokens=2, prompt_lookup_min_ngram=1,
+                          draft_exit_threshold=0.0, **SKIP),
     "lookup_behind_closed_gate": dict(strategy="target_confidence_gated", target_confidence_threshold=1.0,
-                                      prompt_lookup_tokens=2, **SKIP),
+                                      prompt_lookup_tokens=2, prompt_lookup_min_ngram=1, **SKIP),
     "restricted_draft_head": dict(strategy="self_speculative", draft_vocab_size=2, draft_exit_threshold=0.0, **SKIP),
 }
 

@@ -324,7 +324,12 @@ def replay_decode(
             limit = min(params.max_draft_tokens, room - 1)
             if params.prompt_lookup_tokens:
                 text = data.full_text[: prompt_length + committed]
-                proposals = lookup_continuation(text, params.prompt_lookup_ngram, min(limit, params.prompt_lookup_tokens))
+                proposals = lookup_continuation(
+                    text,
+                    params.prompt_lookup_min_ngram,
+                    params.prompt_lookup_ngram,
+                    min(limit, params.prompt_lookup_tokens),
+                )
             if not proposals and gate.should_draft():
                 for row in range(committed - 1, min(committed - 1 + limit, len(draft_tokens))):
                     proposals.append(draft_tokens[row])

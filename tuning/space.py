@@ -49,11 +49,19 @@ KNOBS: dict[str, Knob] = {
         # Off unless a study opts in with a range: composing prompt lookup with the layer-skip
         # draft, and restricting the draft's LM head, change what the draft costs.
         Knob("prompt_lookup_tokens", int, (0, 0), (0, None)),
+        # The shortest n-gram match a lookup accepts (at most `prompt_lookup_ngram`, 3).
+        Knob("prompt_lookup_min_ngram", int, (2, 2), (1, 3)),
         Knob("draft_vocab_size", int, (0, 0), (0, None)),
     )
 }
 
-_COMMON_KNOBS = ("max_draft_tokens", "draft_exit_threshold", "prompt_lookup_tokens", "draft_vocab_size")
+_COMMON_KNOBS = (
+    "max_draft_tokens",
+    "draft_exit_threshold",
+    "prompt_lookup_tokens",
+    "prompt_lookup_min_ngram",
+    "draft_vocab_size",
+)
 STRATEGY_KNOBS: dict[str, tuple[str, ...]] = {
     "self_speculative": _COMMON_KNOBS,
     "adaptive_draft_exit": _COMMON_KNOBS + ("target_acceptance", "threshold_step"),
