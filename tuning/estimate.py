@@ -9,11 +9,14 @@ would run, and a cost model timed once per process turns the counts into seconds
 costs one draft pass per prompt instead of two timed decodes, and its value carries no timing
 noise, which the sampler needs more than it needs the last few percent of accuracy.
 
-What is approximated: in a real decode the draft reads the full model's KV for every committed
-token; the teacher-forced pass reads its own for the continuation (the prompt's KV is the full
-model's in both). Exit and gate decisions after a rejected token use the teacher-forced
-confidences. Logits processors are not applied. So the estimate ranks trials; the top ones are
-then confirmed by real decoding (`confirm_top`), and only measured speedups are reported as such.
+The pass masks attention so that the draft at each position reads the full model's KV for the
+text before it, as a real draft does for committed text; its first proposal after every prefix
+is therefore exact. What is approximated: a real draft's second and later tokens read the KV of
+its own earlier draft tokens, here the full model's; exit and gate decisions after a rejected
+token use teacher-forced confidences; logits processors are not applied; and the cost model is
+only as steady as the machine was while it was timed. So the estimate ranks trials; the top
+ones are then confirmed by real decoding (`confirm_top`), and only measured speedups are
+reported as such.
 """
 
 from __future__ import annotations
@@ -41,8 +44,7 @@ from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import resolve_strategy
 
 from .config import SearchConfig
-from .objective import PreparedPrompt
-from .space import skip_ratio, suggest_params
+from .objective import PreparedPrompt, begin_trial
 
 # Draft steps timed per calibration point, and rounds per timing. The median, not the minimum:
 # the estimate must match what decoding typically pays, not the machine's best moment.
@@ -371,11 +373,7 @@ class EstimatedSpeedupObjective:
 
     def __call__(self, trial: optuna.Trial) -> float:
         num_layers = self.cost.num_layers
-        values = suggest_params(trial, self.search, num_layers)
-        trial.set_user_attr("worker", self.worker)
-        trial.set_user_attr("attn_skip_layers", values["attn_skip_layers"])
-        trial.set_user_attr("mlp_skip_layers", values["mlp_skip_layers"])
-        trial.set_user_attr("skip_ratio", skip_ratio(values, num_layers))
+        values = begin_trial(trial, self.search, num_layers, self.worker)
         try:
             params = resolve_params(num_layers, values)
         except ValueError as error:

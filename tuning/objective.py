@@ -104,6 +104,17 @@ def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int:
     return min(len(expected), len(actual))
 
 
+def begin_trial(trial: optuna.Trial, search: SearchConfig, num_layers: int, worker: str) -> dict[str, Any]:
+    """Sample the trial's parameters and record what every trial records about its draft;
+    returns them as `generate` keyword arguments."""
+    params = suggest_params(trial, search, num_layers)
+    trial.set_user_attr("worker", worker)
+    trial.set_user_attr("attn_skip_layers", params["attn_skip_layers"])
+    trial.set_user_attr("mlp_skip_layers", params["mlp_skip_layers"])
+    trial.set_user_attr("skip_ratio", skip_ratio(params, num_layers))
+    return params
+
+
 class SpeedupObjective:
     """`study.optimize`'s objective: suggest a skip set and knobs, measure them, return the speedup.
 
@@ -129,11 +140,7 @@ class SpeedupObjective:
         self.worker = worker
 
     def __call__(self, trial: optuna.Trial) -> float:
-        params = suggest_params(trial, self.search, self.num_layers)
-        trial.set_user_attr("worker", self.worker)
-        trial.set_user_attr("attn_skip_layers", params["attn_skip_layers"])
-        trial.set_user_attr("mlp_skip_layers", params["mlp_skip_layers"])
-        trial.set_user_attr("skip_ratio", skip_ratio(params, self.num_layers))
+        params = begin_trial(trial, self.search, self.num_layers, self.worker)
         try:
             resolve_params(self.num_layers, params)
         except ValueError as error:
