@@ -154,3 +154,23 @@ def test_estimated_study_confirms_its_best_trials_by_real_decoding(tmp_path, tin
     best = max(confirmed, key=lambda trial: trial.value)
     assert result.profile.measured["trial"] == best.number
     assert result.profile.params == decode_params(best.params, "target_confidence_gated", NUM_LAYERS)
+
+
+def test_a_study_that_spent_its_budget_runs_nothing_and_times_nothing(tmp_path, tiny_llama_dir, monkeypatch):
+    path = write_study_config(
+        tmp_path / "study.toml",
+        tiny_llama_dir,
+        f"sqlite:///{tmp_path / 'optuna.db'}",
+        max_new_tokens=6,
+        study='objective = "estimated"\nconfirm_top = 0\nn_trials = 2',
+    )
+    first = run_tune(load_study_config(path), show_progress=False)
+    assert sum(first.this_run.values()) == 2
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated a cost model for a study with no trials left to run")
+
+    monkeypatch.setattr("tuning.tune.calibrate", no_calibration)
+    again = run_tune(load_study_config(path), show_progress=False)
+    assert sum(again.this_run.values()) == 0
+    assert len(again.study.get_trials(states=(TrialState.COMPLETE,))) == 2

@@ -53,7 +53,7 @@ class TuneOutcome:
 
     @property
     def best(self) -> optuna.trial.FrozenTrial | None:
-        return best_trial(self.confirmed or self.study)
+        return best_trial(self.export_study)
 
     @property
     def export_study(self) -> optuna.Study:
@@ -240,17 +240,17 @@ def run_tune(
             )
             n_trials = 0
 
-    if estimated:
-        print("Timing the forward passes for the cost model...", flush=True)
-        forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
-        max_draft = int(config.search.range_of("max_draft_tokens")[1])
-        cost = calibrate(model, forced, num_layers, max_verify_tokens=max_draft + 1)
-        cost = calibrate_loop(model, cost, forced, generate_kwargs)
-        objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker)
-    else:
-        objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker)
     this_run = {state: 0 for state in FINISHED}
     if n_trials > 0:
+        if estimated:  # the cost model takes a minute to time: only for trials that will run
+            print("Timing the forward passes for the cost model...", flush=True)
+            forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
+            max_draft = int(config.search.range_of("max_draft_tokens")[1])
+            cost = calibrate(model, forced, num_layers, max_verify_tokens=max_draft + 1)
+            cost = calibrate_loop(model, cost, forced, generate_kwargs)
+            objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker)
+        else:
+            objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker)
         this_run = _optimize(
             study, objective, n_trials, timeout if timeout is not None else config.study.timeout, callbacks, show_progress
         )
