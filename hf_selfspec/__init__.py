@@ -7,13 +7,14 @@
 from .embedded import load_embedded
 from .mixin import SelfSpecGenerateOutput, SelfSpecMixin, enable
 from .params import SelfSpecParams, default_skip_layers
-from .policies import AdaptiveExitPolicy, ExitPolicy, Gate, TargetConfidenceGate
+from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
 from .stats import StrategyStats
 from .strategies import PLAIN, Strategy, available_strategies, register_strategy
 
 __all__ = [
     "PLAIN",
     "AdaptiveExitPolicy",
+    "Backoff",
     "ExitPolicy",
     "Gate",
     "SelfSpecGenerateOutput",
@@ -22,6 +23,7 @@ __all__ = [
     "Strategy",
     "StrategyStats",
     "TargetConfidenceGate",
+    "ThroughputBackoff",
     "available_strategies",
     "default_skip_layers",
     "enable",

@@ -15,7 +15,7 @@ from transformers import StoppingCriteriaList
 
 from .cache import DraftAwareCache
 from .drafters import DecodingState, Draft, Drafter
-from .policies import ExitPolicy, Gate
+from .policies import Backoff, ExitPolicy, Gate
 from .selection import TokenSelector
 from .stats import StrategyStats
 from .verifier import Verdict, verify
@@ -23,11 +23,13 @@ from .verifier import Verdict, verify
 
 @dataclass
 class SpeculationParts:
-    """What a strategy composes: who proposes, when drafting stops, and whether to draft."""
+    """What a strategy composes: who proposes, when drafting stops, whether the model drafts,
+    and whether to speculate at all."""
 
     drafter: Drafter
     exit_policy: ExitPolicy
     gate: Gate
+    backoff: Backoff
 
 
 @dataclass
@@ -64,23 +66,23 @@ def speculative_decode(
     while not finished:
         is_prefill = kv_length == 0
 
-        # Draft: the gate decides whether the model drafts; proposals that cost no forward pass
-        # (prompt lookup) are worth verifying either way.
+        # Draft: the back-off decides whether to speculate at all, the gate whether the model
+        # drafts; proposals that cost no forward pass (prompt lookup) need only the back-off.
+        started = time.perf_counter()
         draft = Draft()
         room = max_length - state.length
-        if not is_prefill and room > 1:
-            started = time.perf_counter()
+        if not is_prefill and room > 1 and parts.backoff.should_speculate():
             limit = min(max_draft_tokens, room - 1)
             if parts.gate.should_draft():
                 draft = parts.drafter.propose(state, limit, parts.exit_policy, selector)
                 cache.rollback(kv_length)  # the draft's own KV is not the full model's
             else:
                 draft = parts.drafter.propose_free(state, limit)
-            stats.draft_seconds += time.perf_counter() - started
         drafted = len(draft.tokens)
+        drafting_ended = time.perf_counter()
+        stats.draft_seconds += drafting_ended - started
 
         # Verify: every drafted position in one forward pass of the full model
-        started = time.perf_counter()
         end = state.length + drafted
         logits = model(
             input_ids=sequence[:, kv_length:end],
@@ -90,7 +92,8 @@ def speculative_decode(
             logits_to_keep=drafted + 1,
         ).logits[0]
         verdict = verify(selector, state, draft, logits)
-        stats.verify_seconds += time.perf_counter() - started
+        verified = time.perf_counter()
+        stats.verify_seconds += verified - drafting_ended
 
         # Accept
         committed, finished = _commit(state, verdict, stopping_criteria)
@@ -106,6 +109,7 @@ def speculative_decode(
         parts.drafter.rollback(kv_length)
         _adapt(parts, verdict, drafted)
         if not is_prefill:
+            parts.backoff.record(drafted, committed, verified - started)
             _count(stats, verdict, drafted)
 
     if streamer is not None:

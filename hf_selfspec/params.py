@@ -35,6 +35,9 @@ class SelfSpecParams:
     # of a forward pass), so by default a lookup needs at least two tokens of context to match.
     prompt_lookup_min_ngram: int = 2
     draft_vocab_size: int = 0
+    # Steps between probes of whichever of speculating and plain decoding is currently slower
+    # per committed token (0: always speculate); see `ThroughputBackoff`.
+    backoff_probe_interval: int = 8
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -59,6 +62,7 @@ _COUNT_KEYS = {
     "prompt_lookup_ngram": 1,
     "prompt_lookup_min_ngram": 1,
     "draft_vocab_size": 0,
+    "backoff_probe_interval": 0,
 }
 
 

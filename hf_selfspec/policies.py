@@ -1,10 +1,13 @@
-"""When to stop drafting (exit policies) and whether to draft at all (gates).
+"""When to stop drafting (exit policies), whether the model drafts (gates), and whether to
+speculate at all (back-offs).
 
-Both are tiny state machines fed by the decoding loop after every verification, so a strategy
-changes behaviour by choosing which ones to compose, never by copying the loop.
+All are tiny state machines fed by the decoding loop after every step, so a strategy changes
+behaviour by choosing which ones to compose, never by copying the loop.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class ExitPolicy:
@@ -83,3 +86,86 @@ class TargetConfidenceGate(Gate):
 
     def update(self, confidence: float) -> None:
         self.confident = confidence >= self.threshold
+
+
+class Backoff:
+    """Never back off: speculate at every step the room allows."""
+
+    def should_speculate(self) -> bool:
+        return True
+
+    def record(self, drafted: int, committed: int, seconds: float) -> None:
+        """Called after every step but the prefill: how many tokens were proposed (0 for a
+        plain step), how many it committed, and what proposing and verifying took."""
+
+
+@dataclass
+class _Throughput:
+    """Smoothed seconds and tokens per step of one mode; their ratio is its cost per token.
+
+    Smoothing seconds and tokens apart, rather than their ratio, weighs a step that commits
+    twelve tokens twelve times as much as one that commits one, as throughput should."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps_since_run: int = 0
+
+    @property
+    def measured(self) -> bool:
+        return self.tokens > 0
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.tokens
+
+    def add(self, committed: int, seconds: float, smoothing: float) -> None:
+        keep = smoothing if self.measured else 0.0
+        self.seconds = keep * self.seconds + (1 - keep) * seconds
+        self.tokens = keep * self.tokens + (1 - keep) * committed
+        self.steps_since_run = 0
+
+
+class ThroughputBackoff(Backoff):
+    """Decode plainly while speculating commits tokens more slowly than plain steps do.
+
+    Whether a draft pays depends on the text (chat repeats itself far less than code) and on the
+    machine: on a CPU, verifying even two tokens costs nearly two plain steps, so a draft that is
+    mostly rejected loses, while on a GPU the same draft may still win. Comparing the two modes'
+    measured seconds per committed token needs no machine-specific threshold. The losing mode is
+    probed every `probe_interval` steps, since text changes character; each probe that confirms
+    the loser doubles the wait (up to `_MAX_PROBE_INTERVAL`), so a hopeless draft costs little.
+    Lossless either way: it only decides whether to propose.
+    """
+
+    _MAX_PROBE_INTERVAL = 64
+    _SMOOTHING = 0.5
+
+    def __init__(self, probe_interval: int):
+        self.base_interval = self.interval = probe_interval
+        self.speculative, self.plain = _Throughput(), _Throughput()
+
+    def _compared(self) -> bool:
+        return self.speculative.measured and self.plain.measured
+
+    def _speculation_wins(self) -> bool:
+        return self.speculative.seconds_per_token <= self.plain.seconds_per_token
+
+    def should_speculate(self) -> bool:
+        if not self._compared():  # measure each mode once before choosing
+            return not self.speculative.measured
+        wins = self._speculation_wins()
+        loser = self.plain if wins else self.speculative
+        return wins != (loser.steps_since_run >= self.interval)
+
+    def record(self, drafted: int, committed: int, seconds: float) -> None:
+        ran, idle = (self.speculative, self.plain) if drafted else (self.plain, self.speculative)
+        compared = self._compared()
+        wins_before = compared and self._speculation_wins()
+        ran.add(committed, seconds, self._SMOOTHING)
+        idle.steps_since_run += 1
+        if not compared:
+            return
+        if self._speculation_wins() != wins_before:
+            self.interval = self.base_interval
+        elif bool(drafted) != wins_before:  # a probe confirmed the loser
+            self.interval = min(2 * self.interval, self._MAX_PROBE_INTERVAL)

@@ -20,7 +20,7 @@ from .decoding import SpeculationParts
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter
 from .layer_skip import LayerSkipper
 from .params import SelfSpecParams
-from .policies import AdaptiveExitPolicy, ExitPolicy, Gate, TargetConfidenceGate
+from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
 
 PLAIN = "plain"  # `strategy="plain"`: decode with transformers alone, even if a tuned profile exists
 
@@ -37,6 +37,11 @@ class Strategy:
 
     def build_gate(self, params: SelfSpecParams) -> Gate:
         return Gate()
+
+    def build_backoff(self, params: SelfSpecParams) -> Backoff:
+        if params.backoff_probe_interval:
+            return ThroughputBackoff(params.backoff_probe_interval)
+        return Backoff()
 
     def build_drafter(
         self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None
@@ -61,6 +66,7 @@ class Strategy:
             drafter=self.build_drafter(model, params, cache, assistant_model),
             exit_policy=self.build_exit_policy(params),
             gate=self.build_gate(params),
+            backoff=self.build_backoff(params),
         )
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_selfspec import AdaptiveExitPolicy, ExitPolicy, TargetConfidenceGate
+import hf_selfspec
+from hf_selfspec import AdaptiveExitPolicy, ExitPolicy, TargetConfidenceGate, ThroughputBackoff
 from tiny_models import tiny_model
 
 
@@ -46,7 +47,7 @@ def _gated_stats(model, threshold):
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
     output = model.generate(prompt, max_new_tokens=30, do_sample=False, strategy="target_confidence_gated",
                             attn_skip_layers=[2], mlp_skip_layers=[3], target_confidence_threshold=threshold,
-                            draft_exit_threshold=0.0, return_dict_in_generate=True)
+                            draft_exit_threshold=0.0, backoff_probe_interval=0, return_dict_in_generate=True)
     return output.strategy_stats
 
 
@@ -87,3 +88,75 @@ def test_lookup_needs_a_match_of_at_least_min_ngram_tokens():
     # "10 11" recurs: the two-token match proposes what followed it, the longest match wins.
     two_tokens = torch.tensor([10, 11, 4, 5, 6, 2, 10, 11])
     assert lookup_continuation(two_tokens, 2, 3, 2) == [4, 5]
+
+
+def _run(backoff: ThroughputBackoff, steps: int, speculative_cost: float, speculative_tokens: int) -> list[bool]:
+    """Feed `steps` decisions: a plain step commits 1 token per second; a speculative one commits
+    `speculative_tokens` in `speculative_cost` seconds."""
+    decisions = []
+    for _ in range(steps):
+        speculate = backoff.should_speculate()
+        decisions.append(speculate)
+        if speculate:
+            backoff.record(2, speculative_tokens, speculative_cost)
+        else:
+            backoff.record(0, 1, 1.0)
+    return decisions
+
+
+def test_backoff_measures_both_modes_then_probes_a_losing_draft_ever_more_rarely():
+    backoff = ThroughputBackoff(probe_interval=4)
+    decisions = _run(backoff, 40, speculative_cost=1.8, speculative_tokens=1)  # 1.8 s per token: a loss
+    assert decisions[:2] == [True, False]  # one step of each before comparing
+    probes = [step for step, speculate in enumerate(decisions) if speculate][1:]
+    # A probe once the draft has been idle for 4 steps (the measuring plain step included), then
+    # the wait doubles after each probe that confirms the loss.
+    assert probes == [5, 14, 31]
+
+
+def test_backoff_keeps_a_paying_draft_and_still_probes_plain_steps():
+    backoff = ThroughputBackoff(probe_interval=4)
+    decisions = _run(backoff, 30, speculative_cost=1.8, speculative_tokens=3)  # 0.6 s per token: a win
+    plain_steps = [step for step, speculate in enumerate(decisions) if not speculate]
+    assert plain_steps == [1, 6, 15]  # plain idles 4 steps after measuring, then 8, ...
+
+
+def test_backoff_returns_to_drafting_when_the_text_starts_repeating():
+    backoff = ThroughputBackoff(probe_interval=4)
+    _run(backoff, 20, speculative_cost=1.8, speculative_tokens=1)
+    assert not backoff.should_speculate()
+    # From now on a draft commits 6 tokens: the next probe finds it, and drafting resumes.
+    decisions = _run(backoff, 40, speculative_cost=1.8, speculative_tokens=6)
+    first_probe = decisions.index(True)
+    assert first_probe <= 16
+    # Drafting resumes, and a switch of winner restarts probing at the base interval.
+    assert all(decisions[first_probe + 1 : first_probe + 4]) and not decisions[first_probe + 4]
+
+
+def test_backoff_probe_interval_zero_always_speculates():
+    tiny = tiny_model("llama", initializer_range=0.3)
+    parts = hf_selfspec.Strategy().build(tiny, hf_selfspec.SelfSpecParams(backoff_probe_interval=0), cache=None)
+    assert type(parts.backoff) is hf_selfspec.Backoff
+    assert all(_run(parts.backoff, 20, speculative_cost=5.0, speculative_tokens=1))
+
+
+class _NeverSpeculate(hf_selfspec.Backoff):
+    def should_speculate(self) -> bool:
+        return False
+
+
+def test_a_backoff_that_refuses_leaves_only_plain_steps_and_the_same_tokens():
+    import torch
+
+    @hf_selfspec.register_strategy("test_never_speculates")
+    class NeverSpeculates(hf_selfspec.Strategy):
+        def build_backoff(self, params):
+            return _NeverSpeculate()
+
+    model = tiny_model("llama", initializer_range=0.3)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 3, 14, 15, 92, 65, 3, 14]])
+    plain = model.generate(prompt, max_new_tokens=20, do_sample=False, strategy="plain")
+    output = model.generate(prompt, max_new_tokens=20, do_sample=False, strategy="test_never_speculates",
+                            prompt_lookup_tokens=4, return_dict_in_generate=True)
+    assert output.sequences.tolist() == plain.tolist()
+    assert output.strategy_stats.drafted_tokens == 0 and output.strategy_stats.plain_steps == 19

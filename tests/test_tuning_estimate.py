@@ -57,7 +57,10 @@ def _free(num_layers: int) -> CostModel:
 def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, strategy, knobs):
     """With nothing skipped every draft token is accepted, so the replay must match a real
     decode step for step: same drafts, same acceptances, same plain steps."""
-    params = resolve_params(NUM_LAYERS, {"attn_skip_layers": [], "mlp_skip_layers": [], **knobs})
+    # The back-off decides from real timings, which a replay cannot reproduce.
+    params = resolve_params(
+        NUM_LAYERS, {"attn_skip_layers": [], "mlp_skip_layers": [], "backoff_probe_interval": 0, **knobs}
+    )
     replayed_steps = 0
     for seed, length in enumerate((5, 11, 17)):
         prompt = _prepared(sharp_llama, length, seed)
@@ -77,6 +80,32 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
         assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
         replayed_steps += replayed.verification_steps
     assert replayed_steps > 0
+
+
+def test_replay_backs_off_where_its_priced_steps_say_drafting_loses(sharp_llama):
+    """The replay feeds the back-off priced seconds in place of its clock. Priced so that a
+    drafted token costs as much as a plain step, a draft the verifier sometimes rejects loses,
+    and the replayed back-off must turn to plain steps and beat drafting at every step; priced
+    free, drafting wins and the back-off keeps drafting."""
+    knobs = {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2], "max_draft_tokens": 4, "draft_exit_threshold": 0.0}
+    pricey = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+    free_draft = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
+
+    def replay(cost: CostModel, backoff_probe_interval: int):
+        params = resolve_params(NUM_LAYERS, {**knobs, "backoff_probe_interval": backoff_probe_interval})
+        predictions = draft_predictions(sharp_llama, data, params)
+        return replay_decode(data, params, "self_speculative", *predictions, cost)
+
+    always_seconds, always = replay(pricey, 0)
+    assert always.plain_steps <= 1 and always.accepted_tokens < always.drafted_tokens  # rejections happen
+    backoff_seconds, backed_off = replay(pricey, 4)
+    assert backed_off.plain_steps > backed_off.verification_steps
+    assert backoff_seconds < always_seconds
+    _, kept = replay(free_draft, 4)
+    # plain steps: the one measuring step, two probes (after 4 and 8 drafting steps), and the last
+    # step, which has no room to draft
+    assert kept.plain_steps <= 4 and kept.verification_steps > kept.plain_steps
 
 
 @pytest.mark.parametrize("draft_vocab_size", [0, 24])

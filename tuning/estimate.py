@@ -235,7 +235,13 @@ def calibrate(model, prompts: Sequence[TeacherForcedPrompt], num_layers: int, ma
 
 # Drafting with the full model itself: acceptance is certain, so the replay is exact and the
 # only unknown left is what the loop spends per step beyond its forward passes.
-_LOOP_PROBE = {"attn_skip_layers": [], "mlp_skip_layers": [], "max_draft_tokens": 3, "draft_exit_threshold": 0.0}
+_LOOP_PROBE = {
+    "attn_skip_layers": [],
+    "mlp_skip_layers": [],
+    "max_draft_tokens": 3,
+    "draft_exit_threshold": 0.0,
+    "backoff_probe_interval": 0,  # a timing-driven choice would differ between replay and decode
+}
 
 
 def calibrate_loop(
@@ -310,7 +316,7 @@ def replay_decode(
     """Replay `speculative_decode` over the known continuation: the estimated seconds and the
     counters a real decode would report."""
     builder = resolve_strategy(strategy)
-    exit_policy, gate = builder.build_exit_policy(params), builder.build_gate(params)
+    exit_policy, gate, backoff = builder.build_exit_policy(params), builder.build_gate(params), builder.build_backoff(params)
     reference, prompt_length = data.reference, data.prompt_length
     draft_token_seconds = cost.draft_token_seconds(params)
     stats = StrategyStats(strategy=strategy)
@@ -322,7 +328,7 @@ def replay_decode(
         proposals: list[int] = []
         model_drafted = 0
         room = data.max_new_tokens - committed
-        if room > 1:
+        if room > 1 and backoff.should_speculate():
             limit = min(params.max_draft_tokens, room - 1)
             if params.prompt_lookup_tokens:
                 text = data.full_text[: prompt_length + committed]
@@ -345,8 +351,11 @@ def replay_decode(
             and proposals[accepted] == reference[committed + accepted]
         ):
             accepted += 1
-        seconds += model_drafted * draft_token_seconds + cost.verify(len(proposals) + 1) + cost.loop_step_overhead
-        committed = min(committed + accepted + 1, len(reference))
+        step_seconds = model_drafted * draft_token_seconds + cost.verify(len(proposals) + 1)
+        seconds += step_seconds + cost.loop_step_overhead
+        step_committed = min(accepted + 1, len(reference) - committed)
+        committed += step_committed
+        backoff.record(len(proposals), step_committed, step_seconds)
         if proposals:
             exit_policy.update(accepted, len(proposals))
             stats.verification_steps += 1

@@ -52,6 +52,8 @@ KNOBS: dict[str, Knob] = {
         # The shortest n-gram match a lookup accepts (at most `prompt_lookup_ngram`, 3).
         Knob("prompt_lookup_min_ngram", int, (2, 2), (1, 3)),
         Knob("draft_vocab_size", int, (0, 0), (0, None)),
+        # How often the back-off probes the mode it is not using (0: never back off).
+        Knob("backoff_probe_interval", int, (8, 8), (0, None)),
     )
 }
 
@@ -61,6 +63,7 @@ _COMMON_KNOBS = (
     "prompt_lookup_tokens",
     "prompt_lookup_min_ngram",
     "draft_vocab_size",
+    "backoff_probe_interval",
 )
 STRATEGY_KNOBS: dict[str, tuple[str, ...]] = {
     "self_speculative": _COMMON_KNOBS,
