@@ -53,7 +53,7 @@ KNOBS: dict[str, Knob] = {
         Knob("prompt_lookup_min_ngram", int, (2, 2), (1, 3)),
         Knob("draft_vocab_size", int, (0, 0), (0, None)),
         # How often the back-off probes the mode it is not using (0: never back off).
-        Knob("backoff_probe_interval", int, (8, 8), (0, None)),
+        Knob("backoff_probe_interval", int, (16, 16), (0, None)),
     )
 }
 
