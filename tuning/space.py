@@ -35,6 +35,16 @@ class Knob:
     log: bool = False
 
 
+_DEFAULTS = SelfSpecParams()
+
+
+def _fixed_at_default(name: str) -> tuple[float, float]:
+    """A range that is just `generate`'s own default: the knob is not searched unless a study
+    gives it a range, and its value cannot drift from the default if that changes."""
+    value = getattr(_DEFAULTS, name)
+    return (value, value)
+
+
 KNOBS: dict[str, Knob] = {
     knob.name: knob
     for knob in (
@@ -48,12 +58,17 @@ KNOBS: dict[str, Knob] = {
         Knob("target_confidence_threshold", float, (0.05, 0.95), (0.0, 1.0)),
         # Off unless a study opts in with a range: composing prompt lookup with the layer-skip
         # draft, and restricting the draft's LM head, change what the draft costs.
-        Knob("prompt_lookup_tokens", int, (0, 0), (0, None)),
-        # The shortest n-gram match a lookup accepts (at most `prompt_lookup_ngram`, 3).
-        Knob("prompt_lookup_min_ngram", int, (2, 2), (1, 3)),
-        Knob("draft_vocab_size", int, (0, 0), (0, None)),
+        Knob("prompt_lookup_tokens", int, _fixed_at_default("prompt_lookup_tokens"), (0, None)),
+        # The shortest n-gram match a lookup accepts: at most `prompt_lookup_ngram`, not searched.
+        Knob(
+            "prompt_lookup_min_ngram",
+            int,
+            _fixed_at_default("prompt_lookup_min_ngram"),
+            (1, _DEFAULTS.prompt_lookup_ngram),
+        ),
+        Knob("draft_vocab_size", int, _fixed_at_default("draft_vocab_size"), (0, None)),
         # How often the back-off probes the mode it is not using (0: never back off).
-        Knob("backoff_probe_interval", int, (16, 16), (0, None)),
+        Knob("backoff_probe_interval", int, _fixed_at_default("backoff_probe_interval"), (0, None)),
     )
 }
 
