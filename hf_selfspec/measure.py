@@ -16,6 +16,9 @@ class TimedRun:
     new_tokens: list[int]
     seconds: float
     stats: StrategyStats | None
+    # `[new tokens, vocab]` raw logits, kept only when asked for with `output_logits=True`: the
+    # reference that reduced-precision consistency is judged against
+    logits: torch.Tensor | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -40,4 +43,5 @@ def timed_generate(model, inputs: dict[str, torch.Tensor], **generate_kwargs: An
         new_tokens=output.sequences[0, prompt_length:].tolist(),
         seconds=seconds,
         stats=getattr(output, "strategy_stats", None),
+        logits=torch.cat(output.logits) if output.logits is not None else None,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import hf_selfspec
 from hf_selfspec.bench.benchmark import run_benchmark
@@ -68,9 +69,12 @@ def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, promp
         assert (strategy == "plain") == (contender["family"] != "hf_selfspec")
         assert contender["per_prompt"][0]["new_tokens"] == [8]
         assert isinstance(contender["identical"], bool)
-        assert contender["identical"] == all(p["identical"] for p in contender["per_prompt"])
+        assert contender["identical"] == all(p["consistency"] == "identical" for p in contender["per_prompt"])
+    # float32: nothing short of identity is consistent
+    assert results["consistency_tolerance_ulps"] == 0
+    assert by_name[BASELINE]["consistency"]["verdict"] == "identical"
     for name in hf_selfspec.available_strategies():
-        assert by_name[name]["identical"], f"{name} changed the greedy output"
+        assert by_name[name]["consistency"]["verdict"] == "identical", f"{name} changed the greedy output"
         assert by_name[name]["verifications"] is not None
         assert by_name[name]["params_label"] == "default"
     assert by_name["prompt_lookup"]["verifications"] is None
@@ -116,13 +120,13 @@ def test_broken_contender_is_flagged(tiny_model, prompt_file, tmp_path):
     by_name = {contender["name"]: contender for contender in results["contenders"]}
     assert by_name["self_speculative"]["identical"]
     assert not by_name["broken"]["identical"]
-    assert by_name["broken"]["mismatched_prompts"] == ["add", "sea"]
+    assert by_name["broken"]["consistency"]["divergent_prompts"] == ["add", "sea"]
     assert [p["first_difference"] for p in by_name["broken"]["per_prompt"]] == [0, 0]
     broken_line = next(line for line in render(results, color=True).splitlines() if line.startswith("broken"))
     assert RED in broken_line and broken_line.rstrip().endswith(f"NO{RESET}")
     plain_table = render(results, color=False)
     assert RED not in plain_table
-    assert "broken: tokens differ from the baseline on 2 prompt(s): add, sea" in plain_table
+    assert "broken: tokens diverge from plain greedy beyond a near-tie on 2 prompt(s): add, sea" in plain_table
     assert_valid_png(tmp_path / "speedup.png")
 
 
@@ -134,10 +138,10 @@ def _first_greedy_token(model, tokenizer, prompt) -> int:
     return int(output[0, -1])
 
 
-def _run(tokens, seconds, accepted_lengths=None):
+def _run(tokens, seconds, accepted_lengths=None, logits=None):
     """A fabricated run; with `accepted_lengths`, one of ours that drafted two tokens per verification."""
     if accepted_lengths is None:
-        return TimedRun(new_tokens=tokens, seconds=seconds, stats=None)
+        return TimedRun(new_tokens=tokens, seconds=seconds, stats=None, logits=logits)
     stats = StrategyStats(
         drafted_tokens=2 * len(accepted_lengths),
         accepted_tokens=sum(accepted_lengths),
@@ -166,12 +170,15 @@ def test_report_pairs_repeats_and_checks_every_prompt_in_every_repeat():
         runs={BASELINE: baseline, "fast": fast},
         max_new_tokens=4,
         repeats=3,
+        references=[_run([1, 2, 3, 4], 1.0, logits=_one_hot_logits([1, 2, 3, 4])),
+                    _run([5, 6], 1.0, logits=_one_hot_logits([5, 6]))],
+        logit_dtype=torch.float32,
     )
     results = results_document(measurements, machine={}, skip_sets={}, command={})
     fast_figures = results["contenders"][1]
     assert fast_figures["speedup"] == {"median": 2.0, "min": 0.5, "max": 4.0, "per_repeat": [2.0, 4.0, 0.5]}
     assert fast_figures["identical"] is False
-    assert fast_figures["mismatched_prompts"] == ["b"]
+    assert fast_figures["consistency"]["divergent_prompts"] == ["b"]
     assert [p["first_difference"] for p in fast_figures["per_prompt"]] == [None, 1]
     assert fast_figures["accepted_length_counts"] == {"0": 1, "1": 3, "2": 2}
     assert fast_figures["mean_accepted_length"] == pytest.approx(7 / 6)
@@ -180,6 +187,77 @@ def test_report_pairs_repeats_and_checks_every_prompt_in_every_repeat():
     assert set(results["categories"]) == {"code", "uncategorized"}
     assert results["categories"]["code"]["contenders"]["fast"]["identical"] is True
     assert results["categories"]["uncategorized"]["contenders"]["fast"]["identical"] is False
+
+
+def _one_hot_logits(tokens, vocab=8, top=20.0):
+    logits = torch.zeros(len(tokens), vocab)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = top
+    return logits
+
+
+def _bfloat16_measurements(contender_tokens):
+    """One prompt, one repeat: plain greedy chose 3 then 4, and at the second step its logit for
+    token 5 was 0.25 below its logit for 4 (two bfloat16 ulps at 20) while token 6 trailed by 10."""
+    logits = _one_hot_logits([3, 4])
+    logits[1, 5] = 20.0 - 0.25
+    logits[1, 6] = 10.0
+    return Measurements(
+        prompts=[Prompt(id="p", text="x")],
+        contenders=[
+            Contender(BASELINE, {}, family="baseline", params_label="greedy"),
+            Contender("ours", {}, family="hf_selfspec", params_label="default"),
+        ],
+        runs={BASELINE: [[_run([3, 4], 1.0)]], "ours": [[_run(contender_tokens, 0.5)]]},
+        max_new_tokens=2,
+        repeats=1,
+        references=[_run([3, 4], 1.0, logits=logits)],
+        logit_dtype=torch.bfloat16,
+    )
+
+
+def test_reduced_precision_near_tie_is_consistent_and_shows_its_gap():
+    results = results_document(_bfloat16_measurements([3, 5]), machine={"dtype": "bfloat16"}, skip_sets={},
+                               command={})
+    ours = results["contenders"][1]
+    assert ours["consistency"] == {"verdict": "near-tie", "max_gap_ulps": 2.0, "near_tie_prompts": ["p"],
+                                   "divergent_prompts": []}
+    assert ours["identical"] is False
+    assert ours["per_prompt"][0]["gap_ulps"] == 2.0
+    assert results["consistency_tolerance_ulps"] == 4
+
+
+def test_reduced_precision_real_divergence_is_reported_as_one():
+    results = results_document(_bfloat16_measurements([3, 6]), machine={"dtype": "bfloat16"}, skip_sets={},
+                               command={})
+    ours = results["contenders"][1]
+    assert ours["consistency"]["verdict"] == "divergent"
+    assert ours["consistency"]["divergent_prompts"] == ["p"]
+    assert ours["per_prompt"][0]["gap_ulps"] == 80.0  # 10 below the top, in ulps of 0.125
+
+
+def test_bench_exits_with_status_1_when_one_of_ours_diverges(tiny_llama_dir, prompt_file, tmp_path, monkeypatch,
+                                                             capsys):
+    """The measuring is faked (a real strategy cannot be made to diverge); what is under test is
+    that the command turns a divergence of ours into a failing exit status."""
+    import hf_selfspec.bench.benchmark as benchmark
+
+    def diverging_run(model, *args, **kwargs):
+        measurements = _bfloat16_measurements([3, 6])
+        return results_document(
+            measurements,
+            machine={"device_name": "cpu", "device": "cpu", "dtype": "bfloat16"},
+            skip_sets={"default_params": {"attn_skip_layers": [], "mlp_skip_layers": []}, "tuned_profile": None,
+                       "profile_key": "cpu/bfloat16"},
+            command={},
+        )
+
+    monkeypatch.setattr(benchmark, "run_benchmark", diverging_run)
+    status = main(["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file),
+                   "--output", str(tmp_path), *BENCH_FLAGS])
+    assert status == 1
+    captured = capsys.readouterr()
+    assert "ours diverged from plain greedy decoding" in captured.err
+    assert "ours: tokens diverge from plain greedy beyond a near-tie on 1 prompt(s): p" in captured.out
 
 
 def test_tuned_profile_drives_its_strategy_only(tiny_llama_dir, tmp_path):

@@ -18,6 +18,7 @@ from ..profiles import TunedProfile, device_profile_key, read_profiles
 
 BASELINE = "baseline"
 PLAIN = "plain"
+HF_SELFSPEC = "hf_selfspec"  # the family of our own strategies
 GATED_STRATEGY = "target_confidence_gated"
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -122,7 +123,7 @@ def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[C
             Contender(
                 strategy,
                 {"strategy": strategy, "do_sample": False, **params},
-                family="hf_selfspec",
+                family=HF_SELFSPEC,
                 params_label=label,
             )
         )
@@ -146,7 +147,7 @@ def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[C
                         "assistant_model": assistant,
                         **default_params(model),
                     },
-                    family="hf_selfspec",
+                    family=HF_SELFSPEC,
                     params_label=f"{DEFAULT}, draft {draft}",
                 )
             )

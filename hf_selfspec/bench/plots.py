@@ -20,8 +20,8 @@ FAMILY_COLORS = {"baseline": "tab:gray", "transformers": "tab:blue", "hf_selfspe
 
 
 def plot_speedup(results: dict[str, Any], path: Path) -> None:
-    """Median speedup per contender, whiskers from the slowest to the fastest repeat; a lossless
-    contender whose tokens differ from the baseline is drawn in red."""
+    """Median speedup per contender, whiskers from the slowest to the fastest repeat; a greedy
+    contender that diverged from plain greedy beyond a near-tie is drawn in red."""
     contenders = results["contenders"]
     names = [c["name"] for c in contenders]
     medians = [c["speedup"]["median"] for c in contenders]
@@ -30,7 +30,7 @@ def plot_speedup(results: dict[str, Any], path: Path) -> None:
         [c["speedup"]["max"] - c["speedup"]["median"] for c in contenders],
     ]
     colors = [
-        MISMATCH_COLOR if c["lossless"] and not c["identical"] else FAMILY_COLORS.get(c["family"], "tab:olive")
+        MISMATCH_COLOR if c["consistency"]["divergent_prompts"] else FAMILY_COLORS.get(c["family"], "tab:olive")
         for c in contenders
     ]
     figure, axes = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.5))
@@ -40,14 +40,15 @@ def plot_speedup(results: dict[str, Any], path: Path) -> None:
     axes.set_ylabel("speedup vs greedy generate (x)")
     axes.legend(
         handles=[Patch(color=color, label=family) for family, color in FAMILY_COLORS.items()]
-        + [Patch(color=MISMATCH_COLOR, label="tokens differ from baseline")],
+        + [Patch(color=MISMATCH_COLOR, label="diverges from plain greedy")],
         fontsize=8,
         loc="best",
     )
     settings, machine = results["settings"], results["machine"]
+    # Two lines: a long CPU or GPU name on one line ran past the figure's right edge.
     axes.set_title(
-        f"{machine['device_name']} {machine['dtype']}: {settings['prompts']} prompts, "
-        f"{settings['max_new_tokens']} tokens, {settings['repeats']} repeat(s) (bars: median, whiskers: min-max)",
+        f"{machine['device_name']}, {machine['dtype']}\n{settings['prompts']} prompts x "
+        f"{settings['max_new_tokens']} tokens, {settings['repeats']} repeat(s); bars: median, whiskers: min-max",
         fontsize=9,
     )
     figure.tight_layout()

@@ -12,11 +12,12 @@ import statistics
 from collections import Counter
 from typing import Any, Sequence
 
+from ..consistency import DIVERGENT, IDENTICAL, NEAR_TIE, Consistency, check_greedy_consistency, tolerance_for
 from ..stats import StrategyStats
 from .contenders import BASELINE
 from .runner import Measurements
 
-FORMAT = "hf-selfspec-bench/1"
+FORMAT = "hf-selfspec-bench/2"
 UNCATEGORIZED = "uncategorized"
 
 
@@ -24,26 +25,55 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def first_difference(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
-    """Index of the first token where two outputs part, or None when they are identical."""
-    for index, (token, expected) in enumerate(zip(tokens, reference)):
-        if token != expected:
-            return index
-    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+_SEVERITY = {IDENTICAL: 0, NEAR_TIE: 1, DIVERGENT: 2}
 
 
-def _divergence(measurements: Measurements, name: str, prompt_index: int) -> int | None:
-    """Where a contender first left the baseline on one prompt, over every repeat: each repeat is
-    compared with the baseline of that same repeat, so a nondeterministic baseline cannot hide
-    a contender's mismatch nor invent one."""
-    for repeat in range(measurements.repeats):
-        position = first_difference(
+def _worst(checks: Sequence[Consistency]) -> Consistency:
+    """Divergent over near-tie over identical; among near-ties, the widest gap."""
+    return max(checks, key=lambda check: (_SEVERITY[check.verdict], check.gap_ulps or 0.0))
+
+
+def prompt_consistency(measurements: Measurements, name: str, prompt_index: int) -> Consistency | None:
+    """How a greedy contender's output on one prompt compares with plain greedy's, over every
+    repeat: the worst repeat decides (divergent over near-tie over identical), so one lucky
+    repeat cannot hide a mismatch. None for a sampling contender, which has nothing to match."""
+    contender = next(c for c in measurements.contenders if c.name == name)
+    if not contender.lossless:
+        return None
+    reference = measurements.references[prompt_index]
+    checks = [
+        check_greedy_consistency(
             measurements.runs[name][repeat][prompt_index].new_tokens,
-            measurements.runs[BASELINE][repeat][prompt_index].new_tokens,
+            reference.new_tokens,
+            reference.logits,
+            measurements.logit_dtype,
         )
-        if position is not None:
-            return position
-    return None
+        for repeat in range(measurements.repeats)
+    ]
+    return _worst(checks)
+
+
+def _consistency_summary(checks: Sequence[tuple[str, Consistency | None]]) -> dict[str, Any]:
+    """One contender's verdict over prompts, and which prompts were near-ties or divergent."""
+    judged = [(prompt_id, check) for prompt_id, check in checks if check is not None]
+    if not judged:
+        return {"verdict": None, "max_gap_ulps": None, "near_tie_prompts": [], "divergent_prompts": []}
+    worst = _worst([check for _, check in judged])
+    return {
+        "verdict": worst.verdict,
+        "max_gap_ulps": worst.gap_ulps if worst.verdict == NEAR_TIE else None,
+        "near_tie_prompts": [prompt_id for prompt_id, check in judged if check.verdict == NEAR_TIE],
+        "divergent_prompts": [prompt_id for prompt_id, check in judged if check.verdict == DIVERGENT],
+    }
+
+
+def diverged(results: dict[str, Any], family: str) -> list[str]:
+    """The contenders of `family` that left plain greedy decoding beyond a near-tie."""
+    return [
+        contender["name"]
+        for contender in results["contenders"]
+        if contender["family"] == family and contender["consistency"]["divergent_prompts"]
+    ]
 
 
 def _acceptance(stats: Sequence[StrategyStats]) -> dict[str, Any]:
@@ -72,29 +102,32 @@ def summarize(measurements: Measurements, name: str, prompt_indices: Sequence[in
     new_tokens = [sum(len(runs[r][i].new_tokens) for i in prompt_indices) for r in repeats]
     speedups = [base / own for base, own in zip(baseline_seconds, seconds, strict=True)]
     stats = [runs[r][i].stats for r in repeats for i in prompt_indices if runs[r][i].stats is not None]
-    mismatched = [measurements.prompts[i].id for i in prompt_indices if _divergence(measurements, name, i) is not None]
+    consistency = _consistency_summary(
+        [(measurements.prompts[i].id, prompt_consistency(measurements, name, i)) for i in prompt_indices]
+    )
     return {
         "tokens_per_second": spread([tokens / secs for tokens, secs in zip(new_tokens, seconds, strict=True)]),
         "speedup": {**spread(speedups), "per_repeat": speedups},
         "seconds_per_repeat": seconds,
         "new_tokens_per_repeat": new_tokens,
         **_acceptance(stats),
-        "identical": not mismatched,
-        "mismatched_prompts": mismatched,
+        "identical": consistency["verdict"] == IDENTICAL,
+        "consistency": consistency,
     }
 
 
 def _prompt_details(measurements: Measurements, name: str) -> list[dict[str, Any]]:
     details = []
     for index, prompt in enumerate(measurements.prompts):
-        divergence = _divergence(measurements, name, index)
+        consistency = prompt_consistency(measurements, name, index)
         runs = [measurements.runs[name][repeat][index] for repeat in range(measurements.repeats)]
         details.append(
             {
                 "id": prompt.id,
                 "category": prompt.category,
-                "identical": divergence is None,
-                "first_difference": divergence,
+                "consistency": consistency.verdict if consistency is not None else None,
+                "first_difference": consistency.first_difference if consistency is not None else None,
+                "gap_ulps": consistency.gap_ulps if consistency is not None else None,
                 "seconds": [run.seconds for run in runs],
                 "new_tokens": [len(run.new_tokens) for run in runs],
                 "acceptance_rate": [
@@ -128,6 +161,7 @@ def results_document(
     return {
         "format": FORMAT,
         "machine": machine,
+        "consistency_tolerance_ulps": tolerance_for(measurements.logit_dtype),
         "command": command,
         "settings": {
             "prompts": len(measurements.prompts),

@@ -10,22 +10,27 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 from tqdm import tqdm
 
 from ..measure import TimedRun, timed_generate
 from ..prompts import Prompt, encode_prompt
-from .contenders import BASELINE, Contender
+from .contenders import BASELINE, PLAIN, Contender
 
 
 @dataclass
 class Measurements:
-    """Raw results: `runs[contender name][repeat][prompt index]`, warm-up excluded."""
+    """Raw results: `runs[contender name][repeat][prompt index]`, warm-up excluded, and per prompt
+    one untimed plain greedy decode with its logits, which every greedy contender is checked
+    against (`hf_selfspec.consistency`)."""
 
     prompts: list[Prompt]
     contenders: list[Contender]
     runs: dict[str, list[list[TimedRun]]]
     max_new_tokens: int
     repeats: int
+    references: list[TimedRun]
+    logit_dtype: torch.dtype
 
 
 def measure(
@@ -38,9 +43,10 @@ def measure(
     repeats: int,
     progress: bool = True,
 ) -> Measurements:
-    """Time each contender on each prompt `repeats` times, after one uncounted warm-up run per
-    contender on the first prompt (lazy initialisation, allocator growth and, on GPUs, kernel
-    selection would otherwise land on whichever contender happens to run first)."""
+    """Decode each prompt plainly once for reference, then time each contender on each prompt
+    `repeats` times, after one uncounted warm-up run per contender on the first prompt (lazy
+    initialisation, allocator growth and, on GPUs, kernel selection would otherwise land on
+    whichever contender happens to run first)."""
     names = [contender.name for contender in contenders]
     if len(set(names)) != len(names):
         raise ValueError(f"contender names must be unique, got {names}")
@@ -51,8 +57,15 @@ def measure(
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     common = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
     runs: dict[str, list[list[TimedRun]]] = {name: [[] for _ in range(repeats)] for name in names}
-    total = len(contenders) * (1 + repeats * len(prompts))
+    total = len(prompts) + len(contenders) * (1 + repeats * len(prompts))
     with tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", desc="bench", dynamic_ncols=True) as bar:
+        references = []
+        for index, inputs in enumerate(encoded):
+            bar.set_postfix_str(f"reference {index + 1}/{len(encoded)}")
+            references.append(
+                timed_generate(model, inputs, **common, strategy=PLAIN, do_sample=False, output_logits=True)
+            )
+            bar.update()
         for contender in contenders:
             bar.set_postfix_str(f"warm-up {contender.name}")
             timed_generate(model, encoded[0], **common, **contender.generate_kwargs)
@@ -73,4 +86,6 @@ def measure(
         runs=runs,
         max_new_tokens=max_new_tokens,
         repeats=repeats,
+        references=references,
+        logit_dtype=model.dtype,
     )

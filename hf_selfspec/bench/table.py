@@ -1,8 +1,9 @@
 """The terminal report, drawn from the `results.json` document so that a saved run can be
 shown again exactly as it was.
 
-A lossless contender whose tokens differ from the baseline is marked `NO` always, and also in
-red on a colour terminal: a speedup bought with different output is not a speedup.
+A greedy contender whose tokens diverge from plain greedy beyond a near-tie (see
+`hf_selfspec.consistency`) is marked `NO` always, and also in red on a colour terminal: a speedup
+bought with different output is not a speedup.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from ..consistency import IDENTICAL, NEAR_TIE
 
 RED = "\033[31m"
 RESET = "\033[0m"
@@ -39,10 +42,13 @@ def _number(value: float | None, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def _identity_cell(contender: dict[str, Any], identical: bool) -> Cell:
-    if identical:
-        return Cell("yes")
-    return Cell("NO", alarm=True) if contender["lossless"] else Cell("no (sampled)")
+def _consistency_cell(consistency: dict[str, Any]) -> Cell:
+    verdict = consistency["verdict"]
+    if verdict is None:
+        return Cell("- (sampled)")
+    if verdict == NEAR_TIE:
+        return Cell(f"near-tie (max {consistency['max_gap_ulps']:g} ulp)")
+    return Cell("identical") if verdict == IDENTICAL else Cell("NO", alarm=True)
 
 
 def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
@@ -59,7 +65,7 @@ def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
                 Cell(_number(speedup["max"], "{:.2f}x")),
                 Cell(_number(contender["acceptance_rate"], "{:.0%}")),
                 Cell(_number(contender["mean_accepted_length"], "{:.2f}")),
-                _identity_cell(contender, contender["identical"]),
+                _consistency_cell(contender["consistency"]),
             ]
         )
     return rows
@@ -76,9 +82,9 @@ def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
         row = [Cell(contender["name"])]
         for category in categories.values():
             summary = category["contenders"][contender["name"]]
-            identity = _identity_cell(contender, summary["identical"])
-            text = f"{summary['speedup']['median']:.2f}x" + ("" if summary["identical"] else f" {identity.text}")
-            row.append(Cell(text, alarm=identity.alarm))
+            consistency = _consistency_cell(summary["consistency"])
+            text = f"{summary['speedup']['median']:.2f}x" + ("" if summary["identical"] else f" {consistency.text}")
+            row.append(Cell(text, alarm=consistency.alarm))
         rows.append(row)
     headers = ["contender", *(f"{name} ({len(category['prompt_ids'])})" for name, category in categories.items())]
     return ["", "median speedup by prompt category (number of prompts):", *_grid(headers, rows, color, left_columns=1)]
@@ -103,11 +109,19 @@ def _notes(results: dict[str, Any], color: bool) -> list[str]:
         notes.append(
             f"tuned profile for {skip_sets['profile_key']}: {profile['strategy']} with {json.dumps(profile['params'])}"
         )
+    tolerance = results["consistency_tolerance_ulps"]
+    notes.append(
+        f"consistent: identical to plain greedy, or a near-tie: first differing where plain's own logits for the "
+        f"two tokens were within {tolerance:g} ulp of {results['machine']['dtype']}"
+        if tolerance
+        else f"consistent: identical to plain greedy ({results['machine']['dtype']} admits no near-tie)"
+    )
     for contender in results["contenders"]:
-        if contender["lossless"] and not contender["identical"]:
+        divergent = contender["consistency"]["divergent_prompts"]
+        if divergent:
             warning = (
-                f"{contender['name']}: tokens differ from the baseline on "
-                f"{len(contender['mismatched_prompts'])} prompt(s): {', '.join(contender['mismatched_prompts'])}"
+                f"{contender['name']}: tokens diverge from plain greedy beyond a near-tie on "
+                f"{len(divergent)} prompt(s): {', '.join(divergent)}"
             )
             notes.append(f"{RED}{warning}{RESET}" if color else warning)
     return notes
@@ -115,7 +129,7 @@ def _notes(results: dict[str, Any], color: bool) -> list[str]:
 
 def render(results: dict[str, Any], color: bool = False) -> str:
     settings, machine = results["settings"], results["machine"]
-    headers = ["contender", "params", "tok/s", "speedup", "min", "max", "accept", "acc/verify", "identical"]
+    headers = ["contender", "params", "tok/s", "speedup", "min", "max", "accept", "acc/verify", "consistent"]
     title = (
         f"{settings['prompts']} prompts x {settings['max_new_tokens']} new tokens, {settings['repeats']} repeat(s), "
         f"{machine['device_name']} ({machine['device']}, {machine['dtype']})"
