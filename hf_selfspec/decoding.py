@@ -1,8 +1,8 @@
 """The speculative decoding loop: draft, verify, accept, roll back.
 
 Positions are explicit and the sequence lives in one preallocated buffer, so a step allocates
-nothing it does not have to. The prompt's prefill is simply the first verification, of an
-empty draft.
+nothing it does not have to. The prompt's prefill is simply the first verification, of whatever
+the drafter can propose without a forward pass (as transformers' assisted decoding does).
 """
 
 from __future__ import annotations
@@ -67,13 +67,16 @@ def speculative_decode(
         is_prefill = kv_length == 0
 
         # Draft: the back-off decides whether to speculate at all, the gate whether the model
-        # drafts; proposals that cost no forward pass (prompt lookup) need only the back-off.
+        # drafts; proposals that cost no forward pass (prompt lookup) need only the back-off,
+        # and ride along with the prompt's prefill, whose forward pass is wide anyway.
         started = time.perf_counter()
         draft = Draft()
         room = max_length - state.length
-        if not is_prefill and room > 1 and parts.backoff.should_speculate():
-            limit = min(max_draft_tokens, room - 1)
-            if parts.gate.should_draft():
+        limit = min(max_draft_tokens, room - 1)
+        if limit > 0 and parts.backoff.should_speculate():
+            if is_prefill:
+                draft = parts.drafter.propose_free(state, limit)
+            elif parts.gate.should_draft():
                 draft = parts.drafter.propose(state, limit, parts.exit_policy, selector)
                 cache.rollback(kv_length)  # the draft's own KV is not the full model's
             else:
@@ -108,8 +111,9 @@ def speculative_decode(
         cache.rollback(kv_length)
         parts.drafter.rollback(kv_length)
         _adapt(parts, verdict, drafted)
-        if not is_prefill:
+        if not is_prefill:  # a prefill's time says nothing about a step's
             parts.backoff.record(drafted, committed, verified - started)
+        if drafted or not is_prefill:
             _count(stats, verdict, drafted)
 
     if streamer is not None:

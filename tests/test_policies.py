@@ -90,6 +90,17 @@ def test_lookup_needs_a_match_of_at_least_min_ngram_tokens():
     assert lookup_continuation(two_tokens, 2, 3, 2) == [4, 5]
 
 
+def test_lookup_copies_the_earliest_occurrence_as_transformers_does():
+    import torch
+
+    from hf_selfspec.drafters import lookup_continuation
+
+    # "3 4" occurs at 0 (followed by 5 6 7 8) and at 5 (followed by 9, then the end of the text);
+    # the earliest has the longer continuation and is the one transformers' prompt lookup copies.
+    sequence = torch.tensor([3, 4, 5, 6, 7, 3, 4, 9, 3, 4])
+    assert lookup_continuation(sequence, 2, 2, 4) == [5, 6, 7, 3]
+
+
 def _run(backoff: ThroughputBackoff, steps: int, speculative_cost: float, speculative_tokens: int) -> list[bool]:
     """Feed `steps` decisions: a plain step commits 1 token per second; a speculative one commits
     `speculative_tokens` in `speculative_cost` seconds."""
