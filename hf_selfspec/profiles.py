@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -83,6 +84,15 @@ def read_profiles(generation_config: Any) -> dict[str, TunedProfile]:
     if not isinstance(raw, Mapping):
         raise ValueError(f"generation_config.{PROFILE_KEY}: must map 'device/dtype' keys to profiles")
     return {key: parse_profile(value, f"generation_config.{PROFILE_KEY}[{key!r}]") for key, value in raw.items()}
+
+
+def read_profiles_file(path: str | Path) -> dict[str, TunedProfile]:
+    """The profiles of a `generation_config.json`, read the way a model loading it reads them
+    (transformers may drop keys it does not know; see `_from_model_config`)."""
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    return read_profiles(GenerationConfig.from_pretrained(path.parent, config_file_name=path.name))
 
 
 def write_profile(generation_config: Any, key: str, profile: TunedProfile) -> None:

@@ -35,7 +35,7 @@ def _reporting(command: str):
 
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-            tuning_logger = logging.getLogger("tuning")
+            tuning_logger = logging.getLogger(__package__)
             tuning_logger.addHandler(handler)
             tuning_logger.setLevel(logging.INFO)
             try:
@@ -80,11 +80,13 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 @_reporting("export")
 def _export(args: argparse.Namespace) -> int:
-    from .export import check_loadable, export_profile
+    from hf_selfspec.profiles import read_profiles_file
+
+    from .export import export_profile
     from .storage import resolve_storage_url
 
     result = export_profile(resolve_storage_url(args.storage), args.study, args.output)
-    profiles = check_loadable(result.path)
+    profiles = read_profiles_file(result.path)
     measured = result.profile.measured
     print(
         f"Wrote profile {result.key!r} ({result.profile.strategy}, {measured['speedup']:.2f}x, "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_selfspec.loading import EMBEDDED
-from hf_selfspec.profiles import TunedProfile, read_profiles, write_profile
+from hf_selfspec.profiles import TunedProfile, write_profile
 
 from . import TuningError
 from .dashboard import best_trial, count_states
@@ -135,10 +135,3 @@ def export_profile(storage_url: str, study_name: str, output_dir: str | Path) ->
     output_dir.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, data)
     return ExportResult(path, context.device_key, profile)
-
-
-def check_loadable(path: Path) -> dict[str, TunedProfile]:
-    """The profiles of a written config, read back the way a model loading it reads them."""
-    from transformers import GenerationConfig
-
-    return read_profiles(GenerationConfig.from_pretrained(path.parent, config_file_name=path.name))

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_selfspec.profiles import read_profiles_file
+
 from . import TuningError
-from .export import CONFIG_NAME, check_loadable
+from .export import CONFIG_NAME
 
 
 class PushError(TuningError):
@@ -45,7 +47,7 @@ def push_config(
     if not path.is_file():
         raise PushError(f"{path}: no such file; write it with `hf-selfspec export`")
     try:
-        profiles = check_loadable(path)
+        profiles = read_profiles_file(path)
     except (ValueError, OSError) as error:
         raise PushError(f"{path}: {error}") from None
     if not profiles:
