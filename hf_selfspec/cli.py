@@ -13,6 +13,7 @@ import sys
 # subcommand -> module defining `add_parser(subparsers)`; each sets `func` on its parser.
 _COMMANDS = {
     "bench": "hf_selfspec.bench.cli",
+    "package": "hf_selfspec.hub.cli",
     "tune": "hf_selfspec.tuning.cli",
     "dashboard": "hf_selfspec.tuning.cli",
     "export": "hf_selfspec.tuning.cli",
