@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_selfspec.hub.package import CUSTOM_GENERATE_DIR
+from hf_selfspec.hub.package import check_package_folder
 from hf_selfspec.profiles import read_profiles_file
 
 from . import TuningError
@@ -63,10 +63,7 @@ def push_folder(
     """Upload a folder written by `hf-selfspec package` (a model directory it was written into
     included) into the repository, in one commit; returns the pull request's (or commit's) URL."""
     folder = Path(folder)
-    if not (folder / CUSTOM_GENERATE_DIR / "generate.py").is_file():
-        raise PushError(
-            f"{folder}: no {CUSTOM_GENERATE_DIR}/generate.py; write the folder with `hf-selfspec package`"
-        )
+    check_package_folder(folder, "--folder")
     return _upload(
         _profiles_to_push(folder / CONFIG_NAME),
         repo_id,

@@ -34,7 +34,7 @@ _CARD_END = "<!-- hf-selfspec:end -->"
 _CARD_FRONT_MATTER = "---\nlibrary_name: transformers\ntags:\n- custom_generate\n- self-speculative-decoding\n---\n"
 
 
-class PackageError(Exception):
+class PackageError(ValueError):
     """Bad input or a core that cannot travel: the command prints the message and exits with 2."""
 
 
@@ -80,6 +80,14 @@ def core_modules() -> list[str]:
             needed.append(name)
             pending.append(path)
     return sorted(needed)
+
+
+def check_package_folder(folder: str | Path, option: str) -> None:
+    """Fail unless `folder` holds what `package` writes, before anything slow happens."""
+    if not (Path(folder) / CUSTOM_GENERATE_DIR / f"{ENTRY_MODULE}.py").is_file():
+        raise PackageError(
+            f"{option} {folder}: no {CUSTOM_GENERATE_DIR}/{ENTRY_MODULE}.py; write the folder with `hf-selfspec package`"
+        )
 
 
 def _read_config(path: Path) -> dict[str, Any]:
