@@ -106,6 +106,7 @@ def test_tiny_model_drafts_and_matches_greedy_without_hf_selfspec(tiny_model_dir
         assert facts[path]["identical"] == [True, True], path
         assert all(drafted and drafted > 0 for drafted in facts[path]["drafted"]), (path, facts[path])
         assert facts[path]["class_kept"], path
+    assert facts["model_repo"]["positional_identical"]
     other = facts["other_dtype"]
     assert other["drafted"] == [None] * 4, "no cpu/bfloat16 profile: plain decoding, no strategy_stats"
     assert other["identical"] == [True] * 4

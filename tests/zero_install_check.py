@@ -95,6 +95,10 @@ def main(spec_path: str) -> None:
             spec["model_repo"], dtype=torch.float32, trust_remote_code=True
         ).eval()
         facts["model_repo"] = _compare(repo_model, repo_model.generate, prompts, new_tokens)
+        # `model.generate(input_ids)`: the ids arrive positionally, `model` by keyword
+        positional = repo_model.generate(torch.tensor(prompts[:1]), max_new_tokens=new_tokens, do_sample=False)
+        plain = type(repo_model).generate(repo_model, torch.tensor(prompts[:1]), max_new_tokens=new_tokens, do_sample=False)
+        facts["model_repo"]["positional_identical"] = positional.tolist() == plain.tolist()
     if spec["check_other_dtype"]:
         records = _Records()
         logging.getLogger().addHandler(records)

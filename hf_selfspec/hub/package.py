@@ -22,6 +22,8 @@ from typing import Any
 
 from ..profiles import PROFILE_KEY, TunedProfile, read_profiles, read_profiles_file
 
+CORE_DIR = Path(__file__).resolve().parent.parent  # the flat modules `generate.py` imports from
+ENTRY_SOURCE = Path(__file__).with_name("generate_entry.py")
 CUSTOM_GENERATE_DIR = "custom_generate"
 ENTRY_MODULE = "generate"
 BUNDLED_PROFILES_MODULE = "bundled_profiles"
@@ -43,10 +45,6 @@ class PackageResult:
     folder: Path
     profiles: dict[str, TunedProfile]
     modules: list[str]  # the files of custom_generate/, generate.py first
-
-
-CORE_DIR = Path(__file__).resolve().parent.parent
-ENTRY_SOURCE = Path(__file__).with_name("generate_entry.py")
 
 
 def core_modules() -> list[str]:
