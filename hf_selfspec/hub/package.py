@@ -219,8 +219,8 @@ def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
 
 def summary(result: PackageResult) -> str:
     return (
-        f"Wrote {result.folder}: {', '.join(sorted(result.profiles))} profile(s) in generation_config.json, "
-        f"custom_generate/ ({len(result.modules)} modules), README.md\n"
+        f"Wrote {result.folder}: generation_config.json (profiles for {', '.join(sorted(result.profiles))}), "
+        f"custom_generate/ ({len(result.modules)} Python files), README.md\n"
         f'Use it with transformers alone: model.generate(**inputs, custom_generate="{result.folder}", '
         "trust_remote_code=True)"
     )
