@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_transformers_model
 
 from hf_selfspec.hub.package import package
 from hf_selfspec.profiles import PROFILE_KEY
@@ -64,25 +63,9 @@ def with_package(model_dir: Path, package_dir: Path, destination: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    """A sharpened random Llama: random weights give flat distributions that rarely repeat a token."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.3)
+    """A sharpened random Llama without end-of-sequence token, so every prompt decodes in full."""
+    model = tiny_transformers_model("llama", initializer_range=0.3)
+    model.generation_config.eos_token_id = None
     directory = tmp_path_factory.mktemp("tiny-model")
     model.save_pretrained(directory)
     return directory

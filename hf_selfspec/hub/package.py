@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..profiles import PROFILE_KEY, TunedProfile, read_profiles, read_profiles_file
+from ..profiles import PROFILE_KEY, TunedProfile, read_config_json, read_profiles, read_profiles_file
 
 CORE_DIR = Path(__file__).resolve().parent.parent  # the flat modules `generate.py` imports from
 ENTRY_SOURCE = Path(__file__).with_name("generate_entry.py")
@@ -92,11 +92,11 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise PackageError(f"--config {path}: no such file; write one with `hf-selfspec export`")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise PackageError(f"--config {path}: not valid JSON ({error.msg} at line {error.lineno})") from None
-    if not isinstance(data, dict):
-        raise PackageError(f"--config {path}: must hold a JSON object")
+        data = read_config_json(path)
+    except ValueError as error:
+        raise PackageError(f"--config {error}") from None
+    except OSError as error:
+        raise PackageError(f"--config {path}: cannot read it ({error.strerror or error})") from None
     # Loading a config marked as derived from the model config drops every key transformers does
     # not know, the profiles included; with profiles in it, it no longer is.
     data.pop("_from_model_config", None)
