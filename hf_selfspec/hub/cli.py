@@ -1,4 +1,5 @@
-"""`hf-selfspec package`: argument wiring only; the work is in `package`."""
+"""`hf-selfspec package`. Only argument wiring lives here: the work is in `package`, which
+`hf-selfspec export --custom-generate` calls as well."""
 
 from __future__ import annotations
 
