@@ -13,11 +13,12 @@ import sys
 # subcommand -> module defining `add_parser(subparsers)`; each sets `func` on its parser.
 _COMMANDS = {
     "bench": "hf_selfspec.bench.cli",
-    "tune": "tuning.cli",
-    "dashboard": "tuning.cli",
-    "export": "tuning.cli",
-    "push": "tuning.cli",
-    "quickstart": "tuning.cli",
+    "package": "hf_selfspec.hub.cli",
+    "tune": "hf_selfspec.tuning.cli",
+    "dashboard": "hf_selfspec.tuning.cli",
+    "export": "hf_selfspec.tuning.cli",
+    "push": "hf_selfspec.tuning.cli",
+    "quickstart": "hf_selfspec.tuning.cli",
 }
 
 

@@ -88,6 +88,12 @@ class SelfSpecMixin(GenerationMixin):
     _selfspec_plan: StrategyPlan | None = None
 
     def generate(self, *args, strategy: str | Strategy | None = None, **kwargs):
+        if kwargs.get("custom_generate") is not None:
+            # Another decoding loop takes over (a packaged hf-selfspec one among them); it gets
+            # our keywords as given, and no plan of ours is left behind for its `_sample`.
+            if strategy is not None:
+                kwargs["strategy"] = strategy
+            return super().generate(*args, **kwargs)
         explicit = {name: kwargs.pop(name) for name in list(kwargs) if name in PARAM_NAMES}
         plan = self._plan_strategy(strategy, explicit, args, kwargs)
         if plan is None:
@@ -178,12 +184,17 @@ _enabled_classes: dict[type, type] = {}
 def enable(model: nn.Module) -> nn.Module:
     """Let an already loaded model accept `strategy=`: the same object, its class swapped for a
     cached subclass with `SelfSpecMixin` in front, so weights and hooks stay where they are."""
-    cls = type(model)
     if isinstance(model, SelfSpecMixin):
         return model
     if not isinstance(model, GenerationMixin):
-        raise TypeError(f"{cls.__name__} cannot generate, so it cannot take a decoding strategy")
+        raise TypeError(f"{type(model).__name__} cannot generate, so it cannot take a decoding strategy")
+    model.__class__ = enabled_class(type(model))
+    return model
+
+
+def enabled_class(cls: type) -> type:
+    """`cls` with `SelfSpecMixin` in front: one subclass per class, so enabled models of one
+    class share a type."""
     if cls not in _enabled_classes:
         _enabled_classes[cls] = type(f"SelfSpec{cls.__name__}", (SelfSpecMixin, cls), {})
-    model.__class__ = _enabled_classes[cls]
-    return model
+    return _enabled_classes[cls]

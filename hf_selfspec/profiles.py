@@ -18,8 +18,10 @@ provenance written by the tuner and never read by decoding.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -83,6 +85,27 @@ def read_profiles(generation_config: Any) -> dict[str, TunedProfile]:
     if not isinstance(raw, Mapping):
         raise ValueError(f"generation_config.{PROFILE_KEY}: must map 'device/dtype' keys to profiles")
     return {key: parse_profile(value, f"generation_config.{PROFILE_KEY}[{key!r}]") for key, value in raw.items()}
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A `generation_config.json` as written, as a dict; a `ValueError` naming the file if it is not
+    a JSON object (an `OSError` if it cannot be read)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return data
+
+
+def read_profiles_file(path: str | Path) -> dict[str, TunedProfile]:
+    """The profiles of a `generation_config.json`, read the way a model loading it reads them
+    (transformers may drop keys it does not know; see `_from_model_config`)."""
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    return read_profiles(GenerationConfig.from_pretrained(path.parent, config_file_name=path.name))
 
 
 def write_profile(generation_config: Any, key: str, profile: TunedProfile) -> None:

@@ -16,6 +16,7 @@ from hf_selfspec.bench.report import results_document
 from hf_selfspec.bench.runner import Measurements
 from hf_selfspec.bench.table import RED, RESET, render
 from hf_selfspec.cli import main
+from hf_selfspec.hub.package import package
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.measure import TimedRun
 from hf_selfspec.profiles import PROFILE_KEY
@@ -277,6 +278,43 @@ def test_tuned_profile_drives_its_strategy_only(tiny_llama_dir, tmp_path):
     assert by_name[BASELINE].generate_kwargs["strategy"] == "plain"
 
 
+def test_custom_generate_contender_runs_the_tuned_profile_through_the_package(tiny_llama_dir, prompt_file, tmp_path):
+    config = tmp_path / "generation_config.json"
+    profile = {"strategy": "self_speculative", "params": {"attn_skip_layers": [1], "draft_exit_threshold": 0.0}}
+    config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
+    folder = package(config, tmp_path / "package").folder
+    output = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output)]
+    argv += ["--config", str(config), "--custom-generate", str(folder), "--contenders", "self_speculative,custom_generate"]
+    assert main([*argv, *BENCH_FLAGS]) == 0
+    results = {c["name"]: c for c in json.loads((output / "results.json").read_text())["contenders"]}
+    packaged, installed = results["custom_generate"], results["self_speculative"]
+    assert packaged["identical"] is True and packaged["verifications"] > 0
+    assert packaged["generate_kwargs"]["custom_generate"] == str(folder)
+    shared = {k: v for k, v in packaged["generate_kwargs"].items() if k not in ("custom_generate", "trust_remote_code")}
+    assert shared == installed["generate_kwargs"]
+
+
+def test_custom_generate_needs_a_package_and_a_profile(tiny_llama_dir, tmp_path, capsys):
+    argv = ["bench", "--model", str(tiny_llama_dir), "--custom-generate", str(tmp_path), *BENCH_FLAGS]
+    assert main(argv) == 2
+    assert f"--custom-generate {tmp_path}: no custom_generate/generate.py" in capsys.readouterr().err
+    config = tmp_path / "generation_config.json"
+    config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": {"strategy": "self_speculative"}}}))
+    folder = package(config, tmp_path / "package").folder
+    assert main(["bench", "--model", str(tiny_llama_dir), "--custom-generate", str(folder), *BENCH_FLAGS]) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--custom-generate runs the tuned profile for cpu/float32, and neither --config nor" in last_line
+
+
+@pytest.mark.parametrize("model", ["/nope/model", "./nope-model", "~/nope-model-xyz", "{tmp}/no-such-model"])
+def test_a_path_like_model_that_does_not_exist_is_no_such_directory(tmp_path, capsys, model):
+    model = model.format(tmp=tmp_path)
+    assert main(["bench", "--model", model, *BENCH_FLAGS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"hf-selfspec bench: error: --model {model}: no such directory"
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -300,7 +338,7 @@ def test_malformed_prompt_file_names_its_line(tmp_path, capsys, content, message
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--model", "{tmp}/no-such-model"], "cannot load --model"),
+        (["--model", "{tmp}/broken.json"], "--model {tmp}/broken.json: not a directory"),
         (["--config", "{tmp}/missing.json"], "--config {tmp}/missing.json: cannot read it"),
         (["--config", "{tmp}/broken.json"], "--config {tmp}/broken.json: not valid JSON"),
         (["--output", "{tmp}/broken.json"], "--output {tmp}/broken.json: cannot create it"),
@@ -344,7 +382,7 @@ def test_help_describes_every_option(capsys):
     text = capsys.readouterr().out
     for option in [
         "--model", "--gguf-file", "--config", "--prompts", "--n-prompts", "--prompt-offset",
-        "--max-new-tokens", "--repeats", "--assistant", "--contenders", "--device", "--dtype", "--output",
+        "--max-new-tokens", "--repeats", "--assistant", "--custom-generate", "--contenders", "--device", "--dtype", "--output",
         "results.json", "speedup.png", "acceptance.png",
     ]:  # fmt: skip
         assert option in text

@@ -8,8 +8,8 @@ from tuning_helpers import REPO_ROOT
 
 from hf_selfspec.cli import main
 from hf_selfspec.params import PARAM_NAMES, default_skip_layers, resolve_params
-from tuning.config import SearchConfig, StudyConfigError, load_study_config
-from tuning.space import (
+from hf_selfspec.tuning.config import SearchConfig, StudyConfigError, load_study_config
+from hf_selfspec.tuning.space import (
     decode_params,
     evenly_spread_layers,
     skip_param_name,

@@ -10,7 +10,7 @@ import urllib.request
 
 from tuning_helpers import REPO_ROOT, cli_command, cli_env, free_port, make_tuned_looking_study
 
-from tuning.dashboard import write_study_note
+from hf_selfspec.tuning.dashboard import write_study_note
 
 STARTUP_SECONDS = 90
 

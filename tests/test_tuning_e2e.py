@@ -15,13 +15,13 @@ from optuna.trial import TrialState
 from tuning_helpers import write_study_config
 
 from hf_selfspec.loading import load_model_and_tokenizer
-from hf_selfspec.profiles import PROFILE_KEY
+from hf_selfspec.profiles import PROFILE_KEY, read_profiles_file
 from hf_selfspec.prompts import encode_prompt, load_prompts
-from tuning.config import SearchConfig, load_study_config
-from tuning.dashboard import study_note
-from tuning.export import check_loadable, export_profile
-from tuning.objective import LosslessViolation, PreparedPrompt, SpeedupObjective
-from tuning.tune import format_summary, run_tune
+from hf_selfspec.tuning.config import SearchConfig, load_study_config
+from hf_selfspec.tuning.dashboard import study_note
+from hf_selfspec.tuning.export import export_profile
+from hf_selfspec.tuning.objective import LosslessViolation, PreparedPrompt, SpeedupObjective
+from hf_selfspec.tuning.tune import format_summary, run_tune
 
 N_TRIALS = 4
 N_PROMPTS = 2
@@ -96,7 +96,7 @@ def test_exported_profile_is_picked_up_and_lossless(tuned, tmp_path):
     assert result.profile.measured["trial"] == best.number
     assert result.profile.measured["speedup"] == pytest.approx(best.value)
     assert set(result.profile.measured["versions"]) >= {"transformers", "torch", "optuna"}
-    assert list(check_loadable(result.path)) == ["cpu/float32"]
+    assert list(read_profiles_file(result.path)) == ["cpu/float32"]
 
     model, tokenizer = load_model_and_tokenizer(str(tuned.model_dir), generation_config=result.path)
     inputs = encode_prompt(tokenizer, load_prompts("humaneval", 1, offset=5)[0])
@@ -122,7 +122,7 @@ def test_export_into_a_model_directory_keeps_other_devices_and_files(tuned, tmp_
     assert written["temperature"] == 0.7
     assert sorted(p.name for p in tmp_path.iterdir()) == ["generation_config.json", "model.safetensors"]
     assert (tmp_path / "model.safetensors").read_bytes() == b"weights"
-    assert set(check_loadable(tmp_path / "generation_config.json")) == {other_key, "cpu/float32"}
+    assert set(read_profiles_file(tmp_path / "generation_config.json")) == {other_key, "cpu/float32"}
 
 
 def test_optuna_cli_reads_our_storage(tuned):
@@ -165,7 +165,7 @@ def test_lossless_violation_fails_the_trial_loudly_and_the_study_goes_on(caplog)
         model, [prompt], SearchConfig(), num_layers=4, generate_kwargs={"max_new_tokens": 4}, worker="test"
     )
     study = optuna.create_study(direction="maximize")
-    with caplog.at_level(logging.ERROR, logger="tuning"):
+    with caplog.at_level(logging.ERROR, logger="hf_selfspec.tuning"):
         study.optimize(objective, n_trials=3, catch=(LosslessViolation,))
     states = [t.state for t in study.trials]
     assert states.count(TrialState.FAIL) + states.count(TrialState.PRUNED) == 3

@@ -16,12 +16,12 @@ from hf_selfspec.params import resolve_params
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
 from tiny_models import NUM_LAYERS, tiny_model
-from tuning.config import StudyConfigError, load_study_config
-from tuning.estimate import CostModel, check_supported, draft_predictions, replay_decode, teacher_force
-from tuning.export import export_profile
-from tuning.objective import PreparedPrompt
-from tuning.space import decode_params
-from tuning.tune import format_summary, run_tune
+from hf_selfspec.tuning.config import StudyConfigError, load_study_config
+from hf_selfspec.tuning.estimate import CostModel, check_supported, draft_predictions, replay_decode, teacher_force
+from hf_selfspec.tuning.export import export_profile
+from hf_selfspec.tuning.objective import PreparedPrompt
+from hf_selfspec.tuning.space import decode_params
+from hf_selfspec.tuning.tune import format_summary, run_tune
 
 NEW_TOKENS = 24
 
@@ -199,7 +199,7 @@ def test_a_study_that_spent_its_budget_runs_nothing_and_times_nothing(tmp_path, 
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibrated a cost model for a study with no trials left to run")
 
-    monkeypatch.setattr("tuning.tune.calibrate", no_calibration)
+    monkeypatch.setattr("hf_selfspec.tuning.tune.calibrate", no_calibration)
     again = run_tune(load_study_config(path), show_progress=False)
     assert sum(again.this_run.values()) == 0
     assert len(again.study.get_trials(states=(TrialState.COMPLETE,))) == 2

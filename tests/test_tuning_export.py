@@ -10,7 +10,7 @@ from tuning_helpers import make_tuned_looking_study
 
 from hf_selfspec.cli import main
 from hf_selfspec.profiles import PROFILE_KEY
-from tuning.export import ExportError, export_profile
+from hf_selfspec.tuning.export import ExportError, export_profile
 
 
 @pytest.fixture
@@ -32,6 +32,20 @@ def test_export_writes_the_best_trial_over_the_models_own_config(storage, tiny_l
     assert "speedup" not in profile["params"] and "attn_skip_layers" in profile["params"]
     assert "1.30x" in capsys.readouterr().out
     assert (output / "generation_config.json").stat().st_mode & 0o777 == 0o644  # readable like any model file
+
+
+def test_export_custom_generate_packages_what_it_exported(storage, tiny_llama_dir, tmp_path, capsys):
+    make_tuned_looking_study(storage, "s", tiny_llama_dir)
+    output = tmp_path / "out"
+    argv = ["export", "--study", "s", "--storage", storage, "--output", str(output), "--custom-generate"]
+    assert main(argv) == 0
+    assert (output / "custom_generate" / "generate.py").is_file()
+    exported = json.loads((output / "generation_config.json").read_text())[PROFILE_KEY]
+    bundled: dict = {}
+    exec((output / "custom_generate" / "bundled_profiles.py").read_text(), bundled)
+    assert bundled["PROFILES"] == exported
+    assert "| `cpu/float32` |" in (output / "README.md").read_text()
+    assert f'custom_generate="{output}"' in capsys.readouterr().out
 
 
 def test_export_replaces_this_devices_profile_and_keeps_the_others(storage, tiny_llama_dir, tmp_path):

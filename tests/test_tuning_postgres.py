@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from tuning_helpers import REPO_ROOT, cli_command, cli_env, write_study_config
 
-from tuning.storage import open_storage
+from hf_selfspec.tuning.storage import open_storage
 
 URL_VARIABLE = "HF_SELFSPEC_TEST_POSTGRES_URL"
 TRIALS_PER_WORKER = 3

@@ -15,13 +15,15 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from tuning_helpers import cli_env, run_cli
 
+from hf_selfspec.hub.package import package
 from hf_selfspec.profiles import PROFILE_KEY
 
 REPO = "hf-selfspec-test/tiny"
 
 
 class _FakeHub(BaseHTTPRequestHandler):
-    """Answers the two requests a one-file commit needs and records every request it sees."""
+    """Answers the requests a commit needs (README metadata validation included) and records every
+    request it sees."""
 
     requests: list[dict]
 
@@ -46,6 +48,8 @@ class _FakeHub(BaseHTTPRequestHandler):
                     "pullRequestUrl": f"{base}/{REPO}/discussions/1",
                 },
             )
+        elif url.path == "/api/validate-yaml":  # asked before a commit that holds a README.md
+            self._reply(200, {})
         else:
             self._reply(404, {"error": f"unexpected {url.path}"})
 
@@ -118,6 +122,37 @@ def test_push_opens_a_pull_request_with_exactly_the_config(fake_hub, config_file
     assert all(r["auth"] == "Bearer hf_fake_token" for r in requests)
     assert _committed_files(requests[1]["body"]) == {"generation_config.json": before[0]}
     assert (config_file.read_bytes(), config_file.stat().st_mtime_ns) == before
+
+
+def test_push_folder_opens_one_pull_request_with_the_whole_package(fake_hub, config_file, tmp_path):
+    endpoint, requests = fake_hub
+    folder = package(config_file, tmp_path / "package").folder
+    result = run_cli("push", "--folder", folder, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"Opened pull request: {endpoint}/{REPO}/discussions/1" in result.stdout
+    commits = [r for r in requests if r["path"] != "/api/validate-yaml"]
+    assert [r["path"] for r in commits] == [f"/api/models/{REPO}/preupload/main", f"/api/models/{REPO}/commit/main"]
+    assert all(r["query"].get("create_pr") == ["1"] for r in commits)
+    local = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert _committed_files(commits[1]["body"]) == local
+    assert {"generation_config.json", "README.md", "custom_generate/generate.py", "custom_generate/mixin.py"} <= set(local)
+
+
+def test_push_folder_refuses_a_folder_that_is_not_a_package(fake_hub, config_file, tmp_path):
+    endpoint, requests = fake_hub
+    result = run_cli(
+        "push", "--folder", config_file.parent, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path)
+    )
+    assert result.returncode == 2
+    assert "no custom_generate/generate.py; write the folder with `hf-selfspec package`" in result.stderr
+    assert requests == []
+
+
+@pytest.mark.parametrize("flags", [[], ["--config", "c.json", "--folder", "d"]], ids=["neither", "both"])
+def test_push_takes_exactly_one_of_config_and_folder(flags):
+    result = run_cli("push", *flags, "--repo", REPO)
+    assert result.returncode == 2
+    assert "one of the arguments --config --folder is required" in result.stderr or "not allowed with" in result.stderr
 
 
 def test_no_create_pr_commits_directly(fake_hub, config_file, tmp_path):

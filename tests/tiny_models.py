@@ -59,6 +59,13 @@ ARCHITECTURES = {
 
 def tiny_model(architecture: str, vocab_size: int = 96, seed: int = 0, initializer_range: float | None = None):
     """An enabled, eval-mode tiny model; `initializer_range` sharpens its distributions."""
+    return hf_selfspec.enable(tiny_transformers_model(architecture, vocab_size, seed, initializer_range))
+
+
+def tiny_transformers_model(
+    architecture: str, vocab_size: int = 96, seed: int = 0, initializer_range: float | None = None
+):
+    """The same model, not enabled: transformers' own class, as a user without hf_selfspec has it."""
     torch.manual_seed(seed)
     model = ARCHITECTURES[architecture](vocab_size)
     if initializer_range is not None:
@@ -66,4 +73,4 @@ def tiny_model(architecture: str, vocab_size: int = 96, seed: int = 0, initializ
             for parameter in model.parameters():
                 if parameter.dim() > 1:
                     parameter.normal_(0.0, initializer_range)
-    return hf_selfspec.enable(model.eval())
+    return model.eval()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import optuna
 
-from tuning.config import SearchConfig
-from tuning.space import skip_ratio, suggest_params, warm_start_trials
-from tuning.storage import StudyContext
+from hf_selfspec.tuning.config import SearchConfig
+from hf_selfspec.tuning.space import skip_ratio, suggest_params, warm_start_trials
+from hf_selfspec.tuning.storage import StudyContext
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

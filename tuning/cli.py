@@ -31,16 +31,17 @@ def _reporting(command: str):
         @functools.wraps(func)
         def run(args: argparse.Namespace) -> int:
             from hf_selfspec.embedded import EmbeddedModelMissing
+            from hf_selfspec.hub.package import PackageError
             from hf_selfspec.prompts import PromptFileError
 
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-            tuning_logger = logging.getLogger("tuning")
+            tuning_logger = logging.getLogger(__package__)
             tuning_logger.addHandler(handler)
             tuning_logger.setLevel(logging.INFO)
             try:
                 return func(args)
-            except (TuningError, PromptFileError, EmbeddedModelMissing) as error:
+            except (TuningError, PackageError, PromptFileError, EmbeddedModelMissing) as error:
                 print(f"hf-selfspec {command}: error: {error}", file=sys.stderr)
                 return 2
             except ModuleNotFoundError as error:
@@ -80,25 +81,34 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 @_reporting("export")
 def _export(args: argparse.Namespace) -> int:
-    from .export import check_loadable, export_profile
+    from hf_selfspec.profiles import read_profiles_file
+
+    from .export import export_profile
     from .storage import resolve_storage_url
 
     result = export_profile(resolve_storage_url(args.storage), args.study, args.output)
-    profiles = check_loadable(result.path)
+    profiles = read_profiles_file(result.path)
     measured = result.profile.measured
     print(
         f"Wrote profile {result.key!r} ({result.profile.strategy}, {measured['speedup']:.2f}x, "
         f"acceptance {measured['acceptance_rate']:.0%}, trial {measured['trial']}) to {result.path}"
     )
     print(f"It now holds profiles for: {', '.join(sorted(profiles))}")
+    if args.custom_generate:
+        from hf_selfspec.hub.package import package, summary
+
+        print(summary(package(result.path, args.output)))
     return 0
 
 
 @_reporting("push")
 def _push(args: argparse.Namespace) -> int:
-    from .hub import push_config
+    from .hub import push_config, push_folder
 
-    url = push_config(args.config, args.repo, create_pr=args.create_pr, endpoint=args.endpoint)
+    if args.folder is not None:
+        url = push_folder(args.folder, args.repo, create_pr=args.create_pr, endpoint=args.endpoint)
+    else:
+        url = push_config(args.config, args.repo, create_pr=args.create_pr, endpoint=args.endpoint)
     print(f"{'Opened pull request' if args.create_pr else 'Committed'}: {url}")
     return 0
 
@@ -165,16 +175,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--study", required=True, metavar="NAME", help="study name, as printed by tune")
     export.add_argument("--storage", metavar="URL", help=STORAGE_HELP)
     export.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory to write into")
+    export.add_argument(
+        "--custom-generate",
+        action="store_true",
+        help="then package DIR as `hf-selfspec package --config DIR/generation_config.json --output DIR` does, "
+        "so that transformers alone runs the profiles (custom_generate/ and a README.md section)",
+    )
     export.set_defaults(func=_export)
 
     push = subparsers.add_parser(
         "push",
-        help="upload a tuned generation_config.json to a Hub repository (a pull request by default)",
-        description="Upload one file, as generation_config.json, to a model repository on the Hugging Face "
-        "Hub and print the pull request's (or commit's) URL. Needs a token (`hf auth login` or HF_TOKEN) "
-        "and HF_HUB_OFFLINE unset. The local file is only read.",
+        help="upload a tuned generation_config.json, or a packaged folder, to a Hub repository "
+        "(a pull request by default)",
+        description="Upload to a repository on the Hugging Face Hub, in one commit, and print the pull "
+        "request's (or commit's) URL: either one file, as generation_config.json, or a folder written by "
+        "`hf-selfspec package` (into the model's repository, its users get the speed-up from transformers "
+        "alone; into a repository of its own, anyone can pass it as custom_generate). Needs a token "
+        "(`hf auth login` or HF_TOKEN) and HF_HUB_OFFLINE unset. Local files are only read.",
     )
-    push.add_argument("--config", required=True, type=Path, metavar="FILE", help="the generation_config.json to upload")
+    what = push.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", type=Path, metavar="FILE", help="the generation_config.json to upload")
+    what.add_argument(
+        "--folder", type=Path, metavar="DIR", help="a folder written by `hf-selfspec package`, uploaded whole"
+    )
     push.add_argument("--repo", required=True, metavar="ORG/NAME", help="model repository id")
     push.add_argument(
         "--create-pr",

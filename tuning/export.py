@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_selfspec.loading import EMBEDDED
-from hf_selfspec.profiles import TunedProfile, read_profiles, write_profile
+from hf_selfspec.profiles import TunedProfile, read_config_json, write_profile
 
 from . import TuningError
 from .dashboard import best_trial, count_states
@@ -64,12 +64,9 @@ def _model_generation_config(context: StudyContext) -> dict[str, Any]:
 
 def _read_existing(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ExportError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ExportError(f"{path}: must hold a JSON object")
-    return data
+        return read_config_json(path)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
 
 
 def _write_atomically(path: Path, data: dict[str, Any]) -> None:
@@ -135,10 +132,3 @@ def export_profile(storage_url: str, study_name: str, output_dir: str | Path) ->
     output_dir.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, data)
     return ExportResult(path, context.device_key, profile)
-
-
-def check_loadable(path: Path) -> dict[str, TunedProfile]:
-    """The profiles of a written config, read back the way a model loading it reads them."""
-    from transformers import GenerationConfig
-
-    return read_profiles(GenerationConfig.from_pretrained(path.parent, config_file_name=path.name))

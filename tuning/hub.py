@@ -1,15 +1,19 @@
-"""Sharing a tuned `generation_config.json` on the Hub: one file, as a pull request by default.
+"""Sharing tuned profiles on the Hub, as a pull request by default: the `generation_config.json`
+alone, or a folder written by `hf-selfspec package`.
 
 A pull request is the default because a tuned profile changes how everyone's `generate` runs on
-that hardware; the repository's owners should get to look first. The local file is only read.
+that hardware; the repository's owners should get to look first. Local files are only read.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from hf_selfspec.hub.package import check_package_folder
+from hf_selfspec.profiles import read_profiles_file
+
 from . import TuningError
-from .export import CONFIG_NAME, check_loadable
+from .export import CONFIG_NAME
 
 
 class PushError(TuningError):
@@ -36,20 +40,71 @@ def push_config(
 ) -> str:
     """Upload `config_path` as the repository's `generation_config.json`; returns the URL of the
     pull request (or of the commit, with `create_pr=False`)."""
+    path = Path(config_path)
+    if not path.is_file():
+        raise PushError(f"{path}: no such file; write it with `hf-selfspec export`")
+    return _upload(
+        _profiles_to_push(path),
+        repo_id,
+        create_pr,
+        endpoint,
+        token,
+        lambda api, **commit: api.upload_file(path_or_fileobj=path.read_bytes(), path_in_repo=CONFIG_NAME, **commit),
+    )
+
+
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    create_pr: bool = True,
+    endpoint: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Upload a folder written by `hf-selfspec package` (a model directory it was written into
+    included) into the repository, in one commit; returns the pull request's (or commit's) URL."""
+    folder = Path(folder)
+    check_package_folder(folder, "--folder")
+    return _upload(
+        _profiles_to_push(folder / CONFIG_NAME),
+        repo_id,
+        create_pr,
+        endpoint,
+        token,
+        lambda api, **commit: api.create_commit(operations=_folder_operations(folder), **commit),
+    )
+
+
+def _folder_operations(folder: Path) -> list:
+    """One addition per file, as a single commit (`upload_folder` may split a large folder into
+    several); hidden folders such as .git and Python caches stay behind."""
+    from huggingface_hub import CommitOperationAdd
+
+    return [
+        CommitOperationAdd(path_in_repo=path.relative_to(folder).as_posix(), path_or_fileobj=path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+        and not any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(folder).parts)
+    ]
+
+
+def _profiles_to_push(path: Path):
+    try:
+        profiles = read_profiles_file(path)
+    except (ValueError, OSError) as error:
+        raise PushError(f"{path}: {error}") from None
+    if not profiles:
+        raise PushError(f"{path} holds no self-speculative profile; write one with `hf-selfspec export`")
+    return profiles
+
+
+def _upload(profiles, repo_id: str, create_pr: bool, endpoint: str | None, token: str | None, send) -> str:
+    """Check what can be checked locally, then `send(api, repo_id=..., create_pr=..., commit_message=...,
+    commit_description=...)`, turning the Hub client's failures into a `PushError` that says which."""
     import httpx2
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.constants import is_offline_mode
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-    path = Path(config_path)
-    if not path.is_file():
-        raise PushError(f"{path}: no such file; write it with `hf-selfspec export`")
-    try:
-        profiles = check_loadable(path)
-    except (ValueError, OSError) as error:
-        raise PushError(f"{path}: {error}") from None
-    if not profiles:
-        raise PushError(f"{path} holds no self-speculative profile; write one with `hf-selfspec export`")
     if is_offline_mode():
         raise PushError("cannot push while offline: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set; unset it")
     token = token or get_token()
@@ -58,13 +113,8 @@ def push_config(
     message, description = _commit_text(profiles)
     api = HfApi(endpoint=endpoint, token=token)
     try:
-        info = api.upload_file(
-            path_or_fileobj=path.read_bytes(),
-            path_in_repo=CONFIG_NAME,
-            repo_id=repo_id,
-            create_pr=create_pr,
-            commit_message=message,
-            commit_description=description,
+        info = send(
+            api, repo_id=repo_id, create_pr=create_pr, commit_message=message, commit_description=description
         )
     except HFValidationError as error:
         raise PushError(f"--repo {repo_id!r}: {error}") from None

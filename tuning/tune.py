@@ -133,7 +133,7 @@ def _optimize(study: optuna.Study, objective, n_trials: int, timeout: float | No
     previous_verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our per-trial line replaces Optuna's
     try:
-        with logging_redirect_tqdm(loggers=[logging.getLogger("tuning"), optuna_logger]):
+        with logging_redirect_tqdm(loggers=[logging.getLogger(__package__), optuna_logger]):
             study.optimize(
                 objective,
                 n_trials=n_trials,

@@ -135,6 +135,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "generation and our target_confidence_gated strategy drafting with it",
     )
     parser.add_argument(
+        "--custom-generate",
+        metavar="DIR",
+        help="a folder written by `hf-selfspec package`; adds the contender custom_generate: the tuned "
+        "profile's strategy and parameters, run by that folder's code through transformers' own "
+        "generate(custom_generate=DIR, trust_remote_code=True), to compare with the installed plugin",
+    )
+    parser.add_argument(
         "--contenders",
         metavar="NAME[,NAME...]",
         help="run only these contenders besides the baseline, for example "
@@ -189,6 +196,19 @@ def check_config(path: str) -> None:
         raise ValueError(f"--config {path}: {error}") from None
 
 
+def check_model(name: str) -> str:
+    """A path-like `--model` (`/x`, `./x`, `../x`, `~/x`) must be a directory: otherwise transformers
+    takes it for a Hub id and answers with the Hub's naming rule. Returns it with `~` expanded."""
+    from ..loading import EMBEDDED
+
+    if name == EMBEDDED or not name.startswith(("/", ".", "~")):
+        return name
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"--model {name}: {'not a directory' if path.exists() else 'no such directory'}")
+    return str(path)
+
+
 def _device(args: argparse.Namespace) -> str:
     import torch
 
@@ -231,6 +251,7 @@ def select_contenders(contenders: list, names: str | None) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from .. import available_strategies
+    from ..hub.package import check_package_folder
     from ..loading import load_model_and_tokenizer
     from ..prompts import load_prompts
     from .benchmark import ACCEPTANCE_PLOT, RESULTS_FILE, SPEEDUP_PLOT, run_benchmark
@@ -241,8 +262,11 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be checked cheaply is checked before the model loads.
     try:
         prompts = load_prompts(prompt_source(args.prompts), n=args.n_prompts, offset=args.prompt_offset)
+        model_name = check_model(args.model)
         if args.config:
             check_config(args.config)
+        if args.custom_generate:
+            check_package_folder(args.custom_generate, "--custom-generate")
         device = _device(args)
         Path(args.output).mkdir(parents=True, exist_ok=True)
     except ValueError as error:  # PromptFileError included: its message names the file and line
@@ -251,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--output {args.output}: cannot create it ({error.strerror or error})")
     try:
         model, tokenizer = load_model_and_tokenizer(
-            args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=device, generation_config=args.config
+            model_name, gguf_file=args.gguf_file, dtype=args.dtype, device=device, generation_config=args.config
         )
     except (OSError, ValueError, RuntimeError) as error:  # bad path or id, no embedded wheel, bad files
         return _fail(f"cannot load --model {args.model}: {error}")
@@ -262,7 +286,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot load --assistant {args.assistant}: {error}")
     try:
         contenders = select_contenders(
-            build_contenders(model, available_strategies(), assistant=assistant), args.contenders
+            build_contenders(
+                model, available_strategies(), assistant=assistant, custom_generate=args.custom_generate
+            ),
+            args.contenders,
         )
     except ValueError as error:  # a tuned profile that does not fit this model, an unknown name
         return _fail(error)

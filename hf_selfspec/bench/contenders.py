@@ -20,6 +20,7 @@ BASELINE = "baseline"
 PLAIN = "plain"
 HF_SELFSPEC = "hf_selfspec"  # the family of our own strategies
 GATED_STRATEGY = "target_confidence_gated"
+CUSTOM_GENERATE = "custom_generate"
 PROMPT_LOOKUP_TOKENS = 10
 
 # Where a contender's decoding knobs come from, shown in the table's "params" column.
@@ -84,9 +85,13 @@ def tuned_profile(model) -> tuple[str, TunedProfile | None]:
     return key, read_profiles(model.generation_config).get(key)
 
 
-def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[Contender]:
+def build_contenders(
+    model, strategies: Sequence[str], assistant=None, custom_generate: str | None = None
+) -> list[Contender]:
     """The baseline first, then transformers' methods, then ours; with `assistant`, also
-    transformers' assisted generation and (when available) our gated strategy over that draft.
+    transformers' assisted generation and (when available) our gated strategy over that draft;
+    with `custom_generate` (a folder written by `hf-selfspec package`), the tuned strategy once
+    more, run by that folder's code through transformers' `custom_generate`.
 
     The strategy a tuned profile names runs with the profile's parameters; every other strategy
     runs with the default skip set, so an untuned model is still measured on equal terms.
@@ -96,6 +101,11 @@ def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[C
         raise ValueError(
             f"the tuned profile for {profile_key} names strategy {profile.strategy!r}, "
             f"which is not available; known: {', '.join(strategies)}"
+        )
+    if custom_generate is not None and profile is None:
+        raise ValueError(
+            f"--custom-generate runs the tuned profile for {profile_key}, and neither --config nor the model's "
+            "generation config has one"
         )
     plain = {"strategy": PLAIN, "do_sample": False}
     exit_layer = _num_layers(model) // 2
@@ -125,6 +135,21 @@ def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[C
                 {"strategy": strategy, "do_sample": False, **params},
                 family=HF_SELFSPEC,
                 params_label=label,
+            )
+        )
+    if custom_generate is not None:
+        contenders.append(
+            Contender(
+                CUSTOM_GENERATE,
+                {
+                    "custom_generate": custom_generate,
+                    "trust_remote_code": True,
+                    "strategy": profile.strategy,
+                    "do_sample": False,
+                    **_profile_params(model, profile),
+                },
+                family="hf_selfspec",
+                params_label=f"{TUNED} {profile.strategy}, packaged",
             )
         )
     if assistant is not None:

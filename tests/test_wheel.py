@@ -1,0 +1,30 @@
+"""What a regular install puts in site-packages: everything under `hf_selfspec`, nothing under a
+generic top-level name (the tuner's folder is `tuning/`, and an unrelated PyPI package is called
+that)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+from tuning_helpers import REPO_ROOT
+
+
+def test_the_wheel_holds_only_hf_selfspec_with_the_tuner_and_the_hub_entry_inside(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", tmp_path, "."],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("hf_selfspec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"hf_selfspec", wheel.name.split("-py")[0] + ".dist-info"}
+    for needed in [
+        "hf_selfspec/tuning/cli.py",
+        "hf_selfspec/tuning/hub.py",
+        "hf_selfspec/hub/generate_entry.py",
+        "hf_selfspec/data/tuned/smollm2-135m-instruct/generation_config.json",
+    ]:
+        assert needed in names
