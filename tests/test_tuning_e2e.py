@@ -150,17 +150,22 @@ class _WrongTokensModel:
     """Plain decoding appends 1, 2, 3...; any strategy gets one token wrong at position 2."""
 
     device = torch.device("cpu")
+    dtype = torch.float32
 
     def generate(self, input_ids, attention_mask=None, strategy=None, max_new_tokens=4, **_kwargs):
         new = list(range(1, max_new_tokens + 1))
         if strategy != "plain":
             new[2] = 99
-        return SimpleNamespace(sequences=torch.cat([input_ids, torch.tensor([new])], dim=1), strategy_stats=None)
+        return SimpleNamespace(
+            sequences=torch.cat([input_ids, torch.tensor([new])], dim=1), strategy_stats=None, logits=None
+        )
 
 
 def test_lossless_violation_fails_the_trial_loudly_and_the_study_goes_on(caplog):
     model = _WrongTokensModel()
-    prompt = PreparedPrompt("HumanEval/7", {"input_ids": torch.tensor([[5, 6]])}, reference_tokens=[1, 2, 3, 4], plain_seconds=1.0)
+    plain_logits = torch.nn.functional.one_hot(torch.tensor([1, 2, 3, 4]), 100).float()
+    prompt = PreparedPrompt("HumanEval/7", {"input_ids": torch.tensor([[5, 6]])}, reference_tokens=[1, 2, 3, 4],
+                            reference_logits=plain_logits, plain_seconds=1.0)
     objective = SpeedupObjective(
         model, [prompt], SearchConfig(), num_layers=4, generate_kwargs={"max_new_tokens": 4}, worker="test"
     )

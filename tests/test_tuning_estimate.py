@@ -37,8 +37,10 @@ def sharp_llama():
 
 def _prepared(model, length: int, seed: int) -> PreparedPrompt:
     prompt = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
-    plain = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain")
-    return PreparedPrompt(f"p{seed}", {"input_ids": prompt}, plain[0, length:].tolist(), plain_seconds=1.0)
+    plain = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain",
+                           return_dict_in_generate=True, output_logits=True)
+    return PreparedPrompt(f"p{seed}", {"input_ids": prompt}, plain.sequences[0, length:].tolist(),
+                          torch.cat(plain.logits), plain_seconds=1.0)
 
 
 def _free(num_layers: int) -> CostModel:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_selfspec.loading import EMBEDDED, parse_dtype
+from hf_selfspec.loading import AUTO, EMBEDDED, parse_dtype
 from hf_selfspec.prompts import HUMANEVAL
 
 from . import TuningError
@@ -34,7 +34,7 @@ class StudyConfigError(TuningError):
 class ModelConfig:
     name: str = EMBEDDED
     gguf_file: str | None = None
-    dtype: str = "float32"
+    dtype: str = AUTO
     device: str = "cpu"
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import optuna
 import torch
 
+from hf_selfspec.consistency import NEAR_TIE, Consistency, check_greedy_consistency
 from hf_selfspec.measure import TimedRun, timed_generate
 from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import Prompt, encode_prompt
@@ -38,8 +39,10 @@ class LosslessViolation(Exception):
 class PreparedPrompt:
     id: str
     inputs: dict[str, torch.Tensor]
-    # Plain greedy decoding's new tokens: deterministic, so computed once per process.
+    # Plain greedy decoding's new tokens and raw logits: deterministic, so computed once per
+    # process; the logits judge a reduced-precision near-tie (`hf_selfspec.consistency`).
     reference_tokens: list[int]
+    reference_logits: torch.Tensor
     plain_seconds: float  # that plain decode's time, prefill included
 
 
@@ -55,8 +58,8 @@ def prepare_prompts(
     prepared, tokens, seconds = [], 0, 0.0
     for prompt in prompts:
         inputs = encode_prompt(tokenizer, prompt)
-        run = timed_generate(model, inputs, strategy=PLAIN, **generate_kwargs)
-        prepared.append(PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.seconds))
+        run = timed_generate(model, inputs, strategy=PLAIN, output_logits=True, **generate_kwargs)
+        prepared.append(PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.logits, run.seconds))
         tokens += len(run.new_tokens)
         seconds += run.seconds
     return prepared, tokens / seconds if seconds > 0 else 0.0
@@ -69,6 +72,8 @@ class _Totals:
     tokens: int = 0
     draft: StrategyStats = field(default_factory=StrategyStats)
     prompts: int = 0
+    # prompts whose output left plain greedy's at a reduced-precision near-tie
+    near_tie_prompts: list[str] = field(default_factory=list)
 
     def add(self, baseline: TimedRun, candidate: TimedRun) -> None:
         self.baseline_seconds += baseline.seconds
@@ -93,15 +98,8 @@ class _Totals:
             "tokens_per_second": per_second(self.candidate_seconds),
             "baseline_tokens_per_second": per_second(self.baseline_seconds),
             "prompts_measured": self.prompts,
+            "near_tie_prompts": list(self.near_tie_prompts),
         }
-
-
-def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int:
-    """Index of the first differing token (the shorter length if one is a prefix of the other)."""
-    for position, (want, got) in enumerate(zip(expected, actual, strict=False)):
-        if want != got:
-            return position
-    return min(len(expected), len(actual))
 
 
 def begin_trial(trial: optuna.Trial, search: SearchConfig, num_layers: int, worker: str) -> dict[str, Any]:
@@ -149,9 +147,14 @@ class SpeedupObjective:
         for step, prompt in enumerate(self.prompts):
             baseline, candidate = self._measure(prompt, params, candidate_first=step % 2 == 1)
             totals.add(baseline, candidate)
-            if candidate.new_tokens != prompt.reference_tokens:
+            consistency = check_greedy_consistency(
+                candidate.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
+            )
+            if not consistency.consistent:
                 self._record(trial, totals)
-                raise self._violation(trial, prompt, candidate.new_tokens, params)
+                raise self._violation(trial, prompt, candidate.new_tokens, params, consistency)
+            if consistency.verdict == NEAR_TIE:
+                totals.near_tie_prompts.append(prompt.id)
             trial.report(totals.speedup, step)
             if trial.should_prune():
                 self._record(trial, totals)
@@ -184,9 +187,14 @@ class SpeedupObjective:
             trial.set_user_attr(key, value)
 
     def _violation(
-        self, trial: optuna.Trial, prompt: PreparedPrompt, tokens: list[int], params: dict[str, Any]
+        self,
+        trial: optuna.Trial,
+        prompt: PreparedPrompt,
+        tokens: list[int],
+        params: dict[str, Any],
+        consistency: Consistency,
     ) -> LosslessViolation:
-        position = first_difference(prompt.reference_tokens, tokens)
+        position = consistency.first_difference
 
         def token_at(sequence: list[int]) -> int | None:
             return sequence[position] if position < len(sequence) else None
@@ -194,8 +202,9 @@ class SpeedupObjective:
         expected, actual = token_at(prompt.reference_tokens), token_at(tokens)
         message = (
             f"LOSSLESS VIOLATION in trial {trial.number}: strategy {self.search.strategy!r} changed the output "
-            f"of prompt {prompt.id} at new token {position} (plain greedy: {expected}, strategy: {actual}) "
-            f"with params {params}. This is a bug in the strategy; the trial is marked FAILED."
+            f"of prompt {prompt.id} at new token {position} (plain greedy: {expected}, strategy: {actual}"
+            + (f", {consistency.gap_ulps:g} ulp apart in plain's logits" if consistency.gap_ulps is not None else "")
+            + f") with params {params}. This is a bug in the strategy; the trial is marked FAILED."
         )
         logger.error(message)
         trial.set_user_attr(

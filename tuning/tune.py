@@ -180,7 +180,7 @@ def run_tune(
     context = StudyContext(
         model=config.model.name,
         gguf_file=config.model.gguf_file,
-        dtype=config.model.dtype,
+        dtype=str(model.dtype).removeprefix("torch."),  # what "auto" settled on
         device_key=device_key,
         strategy=config.search.strategy,
         num_layers=num_layers,
