@@ -320,16 +320,14 @@ def replay_decode(
     reference, prompt_length = data.reference, data.prompt_length
     draft_token_seconds = cost.draft_token_seconds(params)
     stats = StrategyStats(strategy=strategy)
-    seconds = data.prefill_seconds + cost.loop_step_overhead
-    committed = 1  # the prefill's own token
-    if gate.needs_confidence:
-        gate.update(data.verifier_confidence[0])
+    seconds = 0.0
+    committed = 0
     while committed < len(reference):
+        is_prefill = committed == 0  # it verifies free proposals only, as the real loop's does
         proposals: list[int] = []
         model_drafted = 0
-        room = data.max_new_tokens - committed
-        if room > 1 and backoff.should_speculate():
-            limit = min(params.max_draft_tokens, room - 1)
+        limit = min(params.max_draft_tokens, data.max_new_tokens - committed - 1)
+        if limit > 0 and backoff.should_speculate():
             if params.prompt_lookup_tokens:
                 text = data.full_text[: prompt_length + committed]
                 proposals = lookup_continuation(
@@ -338,7 +336,7 @@ def replay_decode(
                     params.prompt_lookup_ngram,
                     min(limit, params.prompt_lookup_tokens),
                 )
-            if not proposals and gate.should_draft():
+            if not proposals and not is_prefill and gate.should_draft():
                 for row in range(committed - 1, min(committed - 1 + limit, len(draft_tokens))):
                     proposals.append(draft_tokens[row])
                     model_drafted += 1
@@ -351,18 +349,22 @@ def replay_decode(
             and proposals[accepted] == reference[committed + accepted]
         ):
             accepted += 1
-        step_seconds = model_drafted * draft_token_seconds + cost.verify(len(proposals) + 1)
+        if is_prefill:
+            step_seconds = data.prefill_seconds
+        else:
+            step_seconds = model_drafted * draft_token_seconds + cost.verify(len(proposals) + 1)
         seconds += step_seconds + cost.loop_step_overhead
         step_committed = min(accepted + 1, len(reference) - committed)
         committed += step_committed
-        backoff.record(len(proposals), step_committed, step_seconds)
+        if not is_prefill:
+            backoff.record(len(proposals), step_committed, step_seconds)
         if proposals:
             exit_policy.update(accepted, len(proposals))
             stats.verification_steps += 1
             stats.drafted_tokens += len(proposals)
             stats.accepted_tokens += accepted
             stats.accepted_lengths.append(accepted)
-        else:
+        elif not is_prefill:
             stats.plain_steps += 1
         if gate.needs_confidence:
             gate.update(data.verifier_confidence[committed - 1])
