@@ -8,6 +8,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 import hf_selfspec
+from hf_selfspec.consistency import check_greedy_consistency
 from tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
 STRATEGIES = ["self_speculative", "adaptive_draft_exit", "target_confidence_gated"]
@@ -61,6 +62,36 @@ def test_every_strategy_matches_plain_greedy(architecture, skip_set, strategy):
                 # The draft *is* the full model: everything it proposes must be accepted. (A
                 # restricted draft head cannot propose tokens outside its subset, so not there.)
                 assert output.strategy_stats.acceptance_rate == 1.0
+
+
+REDUCED_PRECISION_KNOBS = [
+    *STRATEGY_KNOBS,
+    {"prompt_lookup_tokens": 4, "prompt_lookup_min_ngram": 1, "target_confidence_threshold": 0.0},
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_is_consistent_with_plain_greedy_in_reduced_precision(architecture, strategy, dtype):
+    """Identical, or first differing where plain's own logits tie within the stated rounding."""
+    drafted = 0
+    for sharpness in (None, 0.3):
+        model = tiny_model(architecture, initializer_range=sharpness).to(dtype)
+        prompts = _prompts(model.config.vocab_size) * 2
+        for prompt, knobs in zip(prompts, REDUCED_PRECISION_KNOBS):
+            new_tokens, length = 3 * SLIDING_WINDOW + 5, prompt.shape[1]
+            plain = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, strategy="plain",
+                                   return_dict_in_generate=True, output_logits=True)
+            ours = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, strategy=strategy,
+                                  attn_skip_layers=[1, 3], mlp_skip_layers=[2], max_draft_tokens=5,
+                                  return_dict_in_generate=True, **knobs)
+            check = check_greedy_consistency(
+                ours.sequences[0, length:].tolist(), plain.sequences[0, length:].tolist(), plain.logits, dtype
+            )
+            assert check.consistent, (knobs, check)
+            drafted += ours.strategy_stats.drafted_tokens
+    assert drafted > 0
 
 
 def test_drafts_are_really_exercised():

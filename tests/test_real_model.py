@@ -1,64 +1,84 @@
-"""Losslessness on the real embedded model, SmolLM2-135M-Instruct, on HumanEval prompts."""
+"""Losslessness on the real embedded model, SmolLM2-135M-Instruct, on HumanEval prompts: exact
+in float32, consistent (identical or a near-tie, `hf_selfspec.consistency`) in bfloat16."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import hf_selfspec
+from hf_selfspec.consistency import check_greedy_consistency
+from hf_selfspec.loading import has_native_bfloat16
 from hf_selfspec.prompts import encode_prompt, load_prompts
 
 pytestmark = pytest.mark.real_model
 NEW_TOKENS = 48
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+STRATEGY_KWARGS = {
+    "self_speculative": {"strategy": "self_speculative"},
+    "adaptive_draft_exit": {"strategy": "adaptive_draft_exit"},
+    "target_confidence_gated": {"strategy": "target_confidence_gated"},
+    "deep_skip": {"strategy": "adaptive_draft_exit", "attn_skip_layers": list(range(1, 30)), "mlp_skip_layers": [],
+                  "draft_exit_threshold": 0.0, "max_draft_tokens": 2},
+    "prompt_lookup": {"strategy": "target_confidence_gated", "prompt_lookup_tokens": 8},
+    "long_lookup_only": {"strategy": "target_confidence_gated", "prompt_lookup_tokens": 16,
+                         "prompt_lookup_min_ngram": 1, "target_confidence_threshold": 1.0, "max_draft_tokens": 16},
+}
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return hf_selfspec.load_embedded(generation_config=None)
-
-
-@pytest.fixture(scope="module")
-def prompts_and_plain_outputs(smollm2):
-    model, tokenizer = smollm2
+@pytest.fixture(scope="module", params=sorted(DTYPES))
+def smollm2(request):
+    """The model without profiles, in each dtype, with each prompt's plain greedy tokens and logits."""
+    dtype = DTYPES[request.param]
+    model, tokenizer = hf_selfspec.load_embedded(dtype=dtype, generation_config=None)
     cases = []
     for prompt in load_prompts("humaneval", n=5):
         inputs = encode_prompt(tokenizer, prompt)
-        plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain")
+        plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain",
+                               return_dict_in_generate=True, output_logits=True)
         cases.append((prompt.id, inputs, plain))
-    return cases
+    return model, cases
 
 
-@pytest.mark.parametrize(
-    "strategy_kwargs",
-    [
-        {"strategy": "self_speculative"},
-        {"strategy": "adaptive_draft_exit"},
-        {"strategy": "target_confidence_gated"},
-        {"strategy": "adaptive_draft_exit", "attn_skip_layers": list(range(1, 30)), "mlp_skip_layers": [], "draft_exit_threshold": 0.0, "max_draft_tokens": 2},
-        {"strategy": "target_confidence_gated", "prompt_lookup_tokens": 8},
-    ],
-    ids=["self_speculative", "adaptive_draft_exit", "target_confidence_gated", "deep_skip", "prompt_lookup"],
-)
-def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, prompts_and_plain_outputs, strategy_kwargs):
-    model, _ = smollm2
+def assert_consistent(output, plain, inputs, dtype, prompt_id):
+    length = inputs["input_ids"].shape[1]
+    check = check_greedy_consistency(
+        output.sequences[0, length:].tolist(), plain.sequences[0, length:].tolist(), plain.logits, dtype
+    )
+    assert check.consistent, (prompt_id, check)
+    if dtype == torch.float32:
+        assert output.sequences.tolist() == plain.sequences.tolist(), prompt_id
+
+
+@pytest.mark.parametrize("case", sorted(STRATEGY_KWARGS))
+def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, case):
+    model, cases = smollm2
     drafted = 0
-    for prompt_id, inputs, plain in prompts_and_plain_outputs:
+    for prompt_id, inputs, plain in cases:
         output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
-                                **strategy_kwargs)
-        assert output.sequences.tolist() == plain.tolist(), prompt_id
+                                **STRATEGY_KWARGS[case])
+        assert_consistent(output, plain, inputs, model.dtype, prompt_id)
         drafted += output.strategy_stats.drafted_tokens
     assert drafted > 0
 
 
-def test_shipped_profile_is_applied_by_default_and_lossless(prompts_and_plain_outputs):
-    """`load_embedded()` applies the profile tuned for this device, and it stays lossless."""
+def test_shipped_profile_is_applied_by_default_and_consistent(smollm2):
+    """`load_embedded()` applies the profile tuned for this device and dtype, and it stays lossless."""
     from hf_selfspec.embedded import TUNED_CONFIG
     from hf_selfspec.profiles import device_profile_key, read_profiles
 
-    model, _ = hf_selfspec.load_embedded()
+    reference_model, cases = smollm2
+    model, _ = hf_selfspec.load_embedded(dtype=reference_model.dtype)
     key = device_profile_key(model.device, model.dtype)
     profile = read_profiles(model.generation_config).get(key)
     assert profile is not None, f"{TUNED_CONFIG} has no profile for {key}"
-    for prompt_id, inputs, plain in prompts_and_plain_outputs:
+    for prompt_id, inputs, plain in cases:
         output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
         assert output.strategy_stats.strategy == profile.strategy, prompt_id
-        assert output.sequences.tolist() == plain.tolist(), prompt_id
+        assert_consistent(output, plain, inputs, model.dtype, prompt_id)
+
+
+def test_auto_dtype_is_the_published_bfloat16_where_the_cpu_has_it():
+    model, _ = hf_selfspec.load_embedded(generation_config=None)
+    assert model.dtype == (torch.bfloat16 if has_native_bfloat16("cpu") else torch.float32)

@@ -95,6 +95,15 @@ def test_first_tokens_follow_the_plain_sampling_distribution(model, case):
     assert _goodness_of_fit(counts, _exact_joint(model)) > 1e-3
 
 
+@pytest.mark.parametrize("case", ["self_speculative", "prompt_lookup", "target_confidence_gated"])
+def test_bfloat16_sampling_follows_the_plain_sampling_distribution(case):
+    """In bfloat16 the verifier's probabilities round differently from plain steps' by an ulp or
+    so, far below what 1500 samples resolve; a sampler that skipped verification would not be."""
+    bfloat16_model = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.5, seed=11).to(torch.bfloat16)
+    counts = _sample_counts(bfloat16_model, seed=2024, **CASES[case])
+    assert _goodness_of_fit(counts, _exact_joint(bfloat16_model)) > 1e-3
+
+
 def test_gate_over_an_assistant_keeps_the_distribution(model):
     assistant = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.5, seed=12)
     counts = _sample_counts(model, seed=7, strategy="target_confidence_gated", assistant_model=assistant,
