@@ -126,7 +126,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="search skip sets and thresholds for a model with Optuna (resumable, shareable)",
         description="Run an Optuna study described by a study config (TOML). Each trial measures its speedup "
         "over plain greedy generate on the study's prompts, interleaved with it, and fails if its tokens "
-        "differ. Trials are stored as they finish: re-running the same config resumes the study, and "
+        "differ (in bfloat16 or float16: beyond a near-tie of plain's own logits). Trials are stored as they finish: re-running the same config resumes the study, and "
         "several processes or machines given the same --storage share it.",
     )
     tune.add_argument("study", type=Path, metavar="STUDY.toml", help="study config, e.g. studies/smollm2-135m.toml")
