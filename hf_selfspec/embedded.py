@@ -96,14 +96,14 @@ def load_embedded(
     `generation_config` is a `generation_config.json` whose tuned profiles to apply; by default
     the one shipped with this package. Pass `None` to get the model's own config only.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .mixin import enable
+    from .profiles import use_generation_config_file
 
     directory = converted_model_dir()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if generation_config is not None and Path(str(generation_config)).is_file():
-        path = Path(str(generation_config))
-        model.generation_config = GenerationConfig.from_pretrained(path.parent, config_file_name=path.name)
+        use_generation_config_file(model, Path(str(generation_config)))
     return enable(model), tokenizer

@@ -17,7 +17,8 @@ from torch import nn
 
 from .cache import DraftAwareCache
 from .decoding import SpeculationParts
-from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter
+from .adapter import adapter_path, load_adapter
+from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import LayerSkipper
 from .params import SelfSpecParams
 from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
@@ -48,6 +49,9 @@ class Strategy:
     ) -> Drafter:
         if assistant_model is not None:
             drafter: Drafter = AssistantDrafter(assistant_model)
+        elif params.draft_adapter:
+            adapter = load_adapter(model, adapter_path(model, params.draft_adapter))
+            drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size)
         else:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
             drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size)
@@ -127,3 +131,17 @@ class TargetConfidenceGated(Strategy):
 
     def build_gate(self, params: SelfSpecParams) -> Gate:
         return TargetConfidenceGate(params.target_confidence_threshold)
+
+
+@register_strategy("kangaroo")
+class Kangaroo(Strategy):
+    """Draft with the model's first layers and a trained adapter (Kangaroo, Liu et al. 2024)
+    until `max_draft_tokens` or the fixed exit threshold; every other strategy drafts the same
+    way when given `draft_adapter`, this one insists on it."""
+
+    def build_drafter(self, model, params, cache, assistant_model):
+        if not params.draft_adapter:
+            raise ValueError(
+                "strategy 'kangaroo' needs draft_adapter=<file>: train one with `hf-selfspec train-adapter`"
+            )
+        return super().build_drafter(model, params, cache, assistant_model)
