@@ -41,7 +41,7 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     base = os.environ.get("HF_SELFSPEC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hf_selfspec"
     )
@@ -59,7 +59,7 @@ def converted_model_dir() -> Path:
     gguf = embedded_gguf_path()
     stat = gguf.stat()
     fingerprint = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{_WHEEL_VERSION}".encode()).hexdigest()[:12]
-    target = _cache_root() / f"smollm2-135m-instruct-{fingerprint}"
+    target = cache_root() / f"smollm2-135m-instruct-{fingerprint}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

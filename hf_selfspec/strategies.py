@@ -32,6 +32,8 @@ class Strategy:
     name: ClassVar[str] = ""
     # Whether `assistant_model=` may replace the layer-skip draft.
     accepts_assistant_model: ClassVar[bool] = False
+    # Whether the strategy drafts only with a trained adapter (`draft_adapter`).
+    needs_draft_adapter: ClassVar[bool] = False
 
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
         return ExitPolicy(params.draft_exit_threshold)
@@ -49,6 +51,10 @@ class Strategy:
     ) -> Drafter:
         if assistant_model is not None:
             drafter: Drafter = AssistantDrafter(assistant_model)
+        elif self.needs_draft_adapter and not params.draft_adapter:
+            raise ValueError(
+                f"strategy {self.name!r} needs draft_adapter=<file>: train one with `hf-selfspec train-adapter`"
+            )
         elif params.draft_adapter:
             adapter = load_adapter(model, adapter_path(model, params.draft_adapter))
             drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size)
@@ -139,9 +145,4 @@ class Kangaroo(Strategy):
     until `max_draft_tokens` or the fixed exit threshold; every other strategy drafts the same
     way when given `draft_adapter`, this one insists on it."""
 
-    def build_drafter(self, model, params, cache, assistant_model):
-        if not params.draft_adapter:
-            raise ValueError(
-                "strategy 'kangaroo' needs draft_adapter=<file>: train one with `hf-selfspec train-adapter`"
-            )
-        return super().build_drafter(model, params, cache, assistant_model)
+    needs_draft_adapter = True

@@ -132,6 +132,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "generation and our target_confidence_gated strategy drafting with it",
     )
     parser.add_argument(
+        "--draft-adapter",
+        metavar="FILE",
+        help="a draft adapter (from `hf-selfspec train-adapter`) for the kangaroo contender, run with "
+        "default parameters; without it kangaroo runs only when the tuned profile names it",
+    )
+    parser.add_argument(
         "--contenders",
         metavar="NAME[,NAME...]",
         help="run only these contenders besides the baseline, for example "
@@ -258,7 +264,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot load --assistant {args.assistant}: {error}")
     try:
         contenders = select_contenders(
-            build_contenders(model, available_strategies(), assistant=assistant), args.contenders
+            build_contenders(
+                model,
+                available_strategies(),
+                assistant=assistant,
+                draft_adapter=str(Path(args.draft_adapter).resolve()) if args.draft_adapter else None,
+            ),
+            args.contenders,
         )
     except ValueError as error:  # a tuned profile that does not fit this model, an unknown name
         return _fail(error)

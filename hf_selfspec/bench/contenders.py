@@ -15,6 +15,7 @@ import torch
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
 from ..profiles import TunedProfile, device_profile_key, read_profiles
+from ..strategies import resolve_strategy
 
 BASELINE = "baseline"
 PLAIN = "plain"
@@ -83,12 +84,14 @@ def tuned_profile(model) -> tuple[str, TunedProfile | None]:
     return key, read_profiles(model.generation_config).get(key)
 
 
-def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[Contender]:
+def build_contenders(model, strategies: Sequence[str], assistant=None, draft_adapter: str | None = None) -> list[Contender]:
     """The baseline first, then transformers' methods, then ours; with `assistant`, also
     transformers' assisted generation and (when available) our gated strategy over that draft.
 
     The strategy a tuned profile names runs with the profile's parameters; every other strategy
-    runs with the default skip set, so an untuned model is still measured on equal terms.
+    runs with the default skip set, so an untuned model is still measured on equal terms. A
+    strategy that drafts only with a trained adapter (kangaroo) runs untuned with `draft_adapter`,
+    and is left out when neither a profile nor `draft_adapter` provides one.
     """
     profile_key, profile = tuned_profile(model)
     if profile is not None and profile.strategy not in strategies:
@@ -116,6 +119,10 @@ def build_contenders(model, strategies: Sequence[str], assistant=None) -> list[C
     for strategy in strategies:
         if profile is not None and profile.strategy == strategy:
             params, label = _profile_params(model, profile), TUNED
+        elif resolve_strategy(strategy).needs_draft_adapter:
+            if draft_adapter is None:
+                continue
+            params, label = {**default_params(model), "draft_adapter": draft_adapter}, f"{DEFAULT}, {draft_adapter}"
         else:
             params, label = default_params(model), DEFAULT
         contenders.append(
