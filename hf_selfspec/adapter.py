@@ -18,6 +18,7 @@ import json
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -201,14 +202,18 @@ def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
     return per_model[stamp]
 
 
-def adapter_path(model: nn.Module, name: str | Path) -> Path:
-    """Where a profile's `draft_adapter` file lives: relative names are resolved against the
-    directory of the `generation_config.json` the profile came from (recorded by the loaders as
-    `model.selfspec_config_dir`), else the model's own directory, else the working directory."""
-    path = Path(name)
-    if path.is_absolute():
-        return path
+def anchor_draft_adapter(model: nn.Module, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Profile or generation-config values with a relative `draft_adapter` made absolute.
+
+    A profile names its adapter relative to the `generation_config.json` it came from (recorded
+    by the loaders as `model.selfspec_config_dir`), or else to the model's own directory, so the
+    two travel together; a name passed to `generate()` itself is relative to the working
+    directory, like any path a program is given.
+    """
+    name = values.get("draft_adapter")
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        return dict(values)
     base = getattr(model, "selfspec_config_dir", None)
     if base is None and Path(str(getattr(model, "name_or_path", "") or "")).is_dir():
         base = model.name_or_path
-    return Path(base) / path if base is not None else path
+    return {**values, "draft_adapter": str(Path(base) / name) if base is not None else name}

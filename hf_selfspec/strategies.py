@@ -17,7 +17,7 @@ from torch import nn
 
 from .cache import DraftAwareCache
 from .decoding import SpeculationParts
-from .adapter import adapter_path, load_adapter
+from .adapter import load_adapter
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import LayerSkipper
 from .params import SelfSpecParams
@@ -56,7 +56,7 @@ class Strategy:
                 f"strategy {self.name!r} needs draft_adapter=<file>: train one with `hf-selfspec train-adapter`"
             )
         elif params.draft_adapter:
-            adapter = load_adapter(model, adapter_path(model, params.draft_adapter))
+            adapter = load_adapter(model, params.draft_adapter)
             drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size)
         else:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)

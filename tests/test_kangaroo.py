@@ -171,3 +171,16 @@ def test_kangaroo_needs_an_adapter_and_a_readable_one(tmp_path):
     with pytest.raises(ValueError, match="draft_adapter must be a file name"):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, strategy="kangaroo", draft_adapter=3)
     assert "kangaroo" in hf_selfspec.available_strategies()
+
+
+def test_an_explicit_relative_adapter_is_relative_to_the_working_directory(tiny_llama_dir, tmp_path, monkeypatch):
+    """Only a profile's file name is anchored to its config's directory; a name passed to
+    `generate` is a path like any other, even for a model loaded from a directory."""
+    from hf_selfspec.loading import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
+    save_adapter(DraftAdapter(model, AdapterShape.for_model(model, 1)), tmp_path / "here.safetensors")
+    monkeypatch.chdir(tmp_path)
+    output = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False, strategy="kangaroo",
+                            draft_adapter="here.safetensors", return_dict_in_generate=True)
+    assert output.strategy_stats.strategy == "kangaroo"

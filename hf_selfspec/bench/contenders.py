@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..adapter import anchor_draft_adapter
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
 from ..profiles import TunedProfile, device_profile_key, read_profiles
@@ -73,8 +74,9 @@ def default_params(model) -> dict[str, Any]:
 
 
 def _profile_params(model, profile: TunedProfile) -> dict[str, Any]:
-    """A profile's parameters completed and validated exactly as `generate` would."""
-    return resolve_params(_num_layers(model), profile.params).as_dict()
+    """A profile's parameters completed and validated exactly as `generate` would (a draft
+    adapter's file name resolved against the profile's directory, as `generate` resolves it)."""
+    return resolve_params(_num_layers(model), anchor_draft_adapter(model, profile.params)).as_dict()
 
 
 def tuned_profile(model) -> tuple[str, TunedProfile | None]:
