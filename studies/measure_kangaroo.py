@@ -1,67 +1,115 @@
-"""Per exit layer: the Kangaroo draft's cost per token relative to a plain step, and its
-acceptance while decoding HumanEval 20-39 (never trained or tuned on), bfloat16.
+"""Per exit layer: what a Kangaroo draft token costs relative to a plain decoding step, and how
+often the draft agrees with the full model on its own greedy continuations of HumanEval 20-39
+(never trained or tuned on), bfloat16.
 
     OMP_NUM_THREADS=2 .venv/bin/python studies/measure_kangaroo.py ADAPTER.safetensors [...]
 
-Each prompt is decoded plainly and then under every setting in turn, so a machine shared with
-other work slows all of them alike. A plain step's cost is plain greedy's seconds per token; the
-draft's is the strategy's drafting seconds per drafted token; acceptance is accepted / drafted
-tokens. No back-off, so every step drafts. Outputs are compared with plain greedy as they go.
+Cost: one-token forwards of the full model and one-token draft steps (shallow layers, adapter,
+head restricted to 8,192 ids plus the prompt's), interleaved, at the end of a prompt's prefill;
+medians. Agreement: the draft's argmax at each position of plain greedy's 64 new tokens, fed
+the full model's own shallow states (what a draft's first token sees), split by the draft's
+confidence: the share of positions at or above each exit threshold and the agreement there.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
-from collections import defaultdict
 
 import torch
+from transformers import LogitsProcessorList
 
 from hf_selfspec import load_embedded
+from hf_selfspec.adapter import load_adapter
+from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.drafters import DecodingState, RestrictedDraftHead, ShallowExitDrafter
+from hf_selfspec.layer_skip import decoder_layers
+from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.prompts import encode_prompt, load_prompts
+from hf_selfspec.selection import TokenSelector
 
 NEW_TOKENS = 64
-SETTINGS = ((0.0, 4), (0.5, 6))  # (draft_exit_threshold, max_draft_tokens)
 DRAFT_VOCAB = 8192
+THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
+REPEATS = 15
+
+
+@torch.no_grad()
+def draft_cost(model, adapters, input_ids) -> dict[str, float]:
+    """Median seconds of a one-token step, for the full model and each adapter's draft (after a
+    first, untimed draft that feeds the adapter the prefill's shallow states)."""
+    times: dict[str, list[float]] = {"full": [], **{a: [] for a in adapters}}
+    length = input_ids.shape[1]
+    sequence = torch.cat([input_ids, input_ids.new_zeros((1, 16))], dim=1)
+    positions = torch.arange(sequence.shape[1])[None]
+    cache = DraftAwareCache(model.config)
+    drafters = {a: ShallowExitDrafter(model, cache, load_adapter(model, a), DRAFT_VOCAB) for a in adapters}
+    model(input_ids=input_ids[:, :-1], position_ids=positions[:, : length - 1], past_key_values=cache, use_cache=True)
+    selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
+    try:
+        for repeat in range(REPEATS + 1):
+            started = time.perf_counter()
+            model(input_ids=sequence[:, length - 1 : length], position_ids=positions[:, length - 1 : length],
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            times["full"].append(time.perf_counter() - started)
+            cache.rollback(length - 1)
+            for a, drafter in drafters.items():
+                drafter.rollback(length - 1)
+                started = time.perf_counter()
+                drafter.propose(DecodingState(sequence, positions, length), 1, never_exit, selector)
+                if repeat:
+                    times[a].append(time.perf_counter() - started)
+                cache.rollback(length - 1)
+    finally:
+        for drafter in drafters.values():
+            drafter.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+@torch.no_grad()
+def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float, float]]]:
+    layers = decoder_layers(model)
+    loaded = {a: load_adapter(model, a) for a in adapters}
+    hits = {a: {t: [0, 0] for t in THRESHOLDS} for a in adapters}
+    total = 0
+    for inputs in encoded:
+        out = model.generate(**inputs, strategy="plain", max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        prompt_length = inputs["input_ids"].shape[1]
+        shallow = {}
+        hooks = [layers[loaded[a].shape.exit_layer - 1].register_forward_hook(
+            lambda m, args, output, a=a: shallow.__setitem__(a, output)) for a in adapters]
+        try:
+            model.get_decoder()(input_ids=out, use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        targets = out[0, prompt_length:]
+        total += len(targets)
+        for a, adapter in loaded.items():
+            head = RestrictedDraftHead(model, DRAFT_VOCAB, inputs["input_ids"])
+            hidden = adapter(shallow[a], torch.arange(out.shape[1])[None])[0, prompt_length - 1 : -1]
+            scores = torch.stack([head(h[None])[0] for h in hidden]).float().softmax(-1)
+            confidence, guess = scores.max(-1)
+            for t in THRESHOLDS:
+                kept = confidence >= t
+                hits[a][t][0] += int(kept.sum())
+                hits[a][t][1] += int((guess[kept] == targets[kept]).sum())
+    return {a: [(hits[a][t][0] / total, hits[a][t][1] / max(hits[a][t][0], 1)) for t in THRESHOLDS] for a in adapters}
 
 
 def main(adapters: list[str]) -> None:
     model, tokenizer = load_embedded(dtype=torch.bfloat16, generation_config=None)
     encoded = [encode_prompt(tokenizer, p) for p in load_prompts("humaneval", n=20, offset=20)]
-    common = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    model.generate(**encoded[0], strategy="plain", **common)  # warm-up
-    totals: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for inputs in encoded:
-        started = time.perf_counter()
-        expected = model.generate(**inputs, strategy="plain", **common)
-        plain_seconds = time.perf_counter() - started
-        for adapter in adapters:
-            for threshold, max_draft in SETTINGS:
-                started = time.perf_counter()
-                out = model.generate(**inputs, strategy="kangaroo", draft_adapter=adapter, draft_vocab_size=DRAFT_VOCAB,
-                                     draft_exit_threshold=threshold, max_draft_tokens=max_draft,
-                                     backoff_probe_interval=0, return_dict_in_generate=True, **common)
-                seconds = time.perf_counter() - started
-                stats, total = out.strategy_stats, totals[adapter, threshold, max_draft]
-                total["seconds"] += seconds
-                total["plain_seconds"] += plain_seconds
-                total["plain_tokens"] += expected.shape[1] - inputs["input_ids"].shape[1]
-                total["drafted"] += stats.drafted_tokens
-                total["accepted"] += stats.accepted_tokens
-                total["draft_seconds"] += stats.draft_seconds
-                total["verify_seconds"] += stats.verify_seconds
-                total["steps"] += stats.verification_steps
-                total["identical"] += out.sequences.tolist() == expected.tolist()
-    for (adapter, threshold, max_draft), t in totals.items():
-        step = t["plain_seconds"] / t["plain_tokens"]
-        print(
-            f"{os.path.basename(adapter)} threshold {threshold} max {max_draft}: plain step {1000 * step:.1f} ms, "
-            f"acceptance {t['accepted'] / t['drafted']:.3f}, drafted/step {t['drafted'] / t['steps']:.2f}, "
-            f"accepted/step {t['accepted'] / t['steps']:.2f}, draft cost {t['draft_seconds'] / t['drafted'] / step:.3f} "
-            f"step/token, verification {t['verify_seconds'] / t['steps'] / step:.2f} steps, "
-            f"speedup {t['plain_seconds'] / t['seconds']:.2f}x, identical to plain {int(t['identical'])}/{len(encoded)}"
-        )
+    costs = draft_cost(model, adapters, encoded[0]["input_ids"])
+    print(f"full one-token step: {1000 * costs['full']:.1f} ms (median of {REPEATS})")
+    for a in adapters:
+        print(f"{os.path.basename(a)}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / costs['full']:.3f} of a step")
+    for a, rows in agreement(model, tokenizer, adapters, encoded).items():
+        cells = ", ".join(f">={t}: share {share:.2f} agree {agree:.3f}" for t, (share, agree) in zip(THRESHOLDS, rows))
+        print(f"{os.path.basename(a)} on plain greedy's HumanEval 20-39 tokens: {cells}", flush=True)
 
 
 if __name__ == "__main__":
