@@ -98,6 +98,12 @@ class DraftAdapter(nn.Module):
         decoder = model.get_decoder()
         self.shape = shape
         self.block = copy.deepcopy(decoder_layers(model)[shape.exit_layer])
+        for module in self.block.modules():
+            # A copy taken while a drafter has the model's layers patched would keep calling the
+            # model's own layer; the block must run its own weights.
+            module.__dict__.pop("forward", None)
+            module._forward_hooks.clear()
+            module._forward_pre_hooks.clear()
         self.block.self_attn.layer_idx = 0  # the only layer of the adapter's own cache
         if hasattr(self.block.self_attn, "sliding_window"):
             self.block.self_attn.sliding_window = None  # the adapter sees every committed token

@@ -2,7 +2,7 @@
 often the draft agrees with the full model on its own greedy continuations of HumanEval 20-39
 (never trained or tuned on), bfloat16.
 
-    OMP_NUM_THREADS=2 .venv/bin/python studies/measure_kangaroo.py ADAPTER.safetensors [...]
+    OMP_NUM_THREADS=1 .venv/bin/python studies/measure_kangaroo.py [--prompts N] ADAPTER.safetensors [...]
 
 Cost: one-token forwards of the full model and one-token draft steps (shallow layers, adapter,
 head restricted to 8,192 ids plus the prompt's), interleaved, at the end of a prompt's prefill;
@@ -13,9 +13,9 @@ confidence: the share of positions at or above each exit threshold and the agree
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -63,7 +63,7 @@ def draft_cost(model, adapters, input_ids) -> dict[str, float]:
                     times[a].append(time.perf_counter() - started)
                 cache.rollback(length - 1)
     finally:
-        for drafter in drafters.values():
+        for drafter in reversed(list(drafters.values())):  # undo their layer patches in reverse
             drafter.close()
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -100,18 +100,22 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
     return {a: [(hits[a][t][0] / total, hits[a][t][1] / max(hits[a][t][0], 1)) for t in THRESHOLDS] for a in adapters}
 
 
-def main(adapters: list[str]) -> None:
+def main(adapters: list[str], n_prompts: int) -> None:
     model, tokenizer = load_embedded(dtype=torch.bfloat16, generation_config=None)
-    encoded = [encode_prompt(tokenizer, p) for p in load_prompts("humaneval", n=20, offset=20)]
+    encoded = [encode_prompt(tokenizer, p) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
     costs = draft_cost(model, adapters, encoded[0]["input_ids"])
     print(f"full one-token step: {1000 * costs['full']:.1f} ms (median of {REPEATS})")
     for a in adapters:
-        print(f"{os.path.basename(a)}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / costs['full']:.3f} of a step")
+        print(f"{a}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / costs['full']:.3f} of a step")
     for a, rows in agreement(model, tokenizer, adapters, encoded).items():
         cells = ", ".join(f">={t}: share {share:.2f} agree {agree:.3f}" for t, (share, agree) in zip(THRESHOLDS, rows))
-        print(f"{os.path.basename(a)} on plain greedy's HumanEval 20-39 tokens: {cells}", flush=True)
+        print(f"{a} on plain greedy's tokens for HumanEval 20-{19 + n_prompts}: {cells}", flush=True)
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts from 20 on (at most 20)")
+    parser.add_argument("adapters", nargs="+")
+    args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    main(sys.argv[1:])
+    main(args.adapters, min(args.prompts, 20))
