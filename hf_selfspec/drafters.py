@@ -13,8 +13,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from transformers import DynamicCache
+
+from .adapter import DraftAdapter
 from .cache import DraftAwareCache
-from .layer_skip import LayerSkipper
+from .layer_skip import LayerSkipper, decoder_layers
 from .policies import ExitPolicy
 from .selection import TokenSelector
 
@@ -95,6 +98,8 @@ def _draft_autoregressively(
 class RestrictedDraftHead:
     """The LM head over a subset of the vocabulary: the lowest ids plus the prompt's tokens.
 
+    A `subset_size` of 0 or of the vocabulary's size keeps the whole head.
+
     At batch size one the head's weights dominate a draft step's memory traffic (a fifth of
     SmolLM2-135M); byte-pair vocabularies give frequent tokens low ids, so a few thousand rows
     cover most of what gets generated, and the prompt adds its own identifiers. Tokens outside
@@ -104,10 +109,14 @@ class RestrictedDraftHead:
     def __init__(self, model: nn.Module, subset_size: int, prompt_ids: torch.Tensor):
         head = model.get_output_embeddings()
         vocab_size = head.weight.shape[0]
+        subset_size = subset_size or vocab_size
         low_ids = torch.arange(min(subset_size, vocab_size), device=head.weight.device)
         self.token_ids = torch.unique(torch.cat([low_ids, prompt_ids.flatten().to(low_ids.device)]))
-        self.weight = head.weight[self.token_ids]
-        self.bias = head.bias[self.token_ids] if getattr(head, "bias", None) is not None else None
+        # A subset that covers the vocabulary is the arange: no copy of the head, no scatter.
+        self.covers_vocabulary = len(self.token_ids) == vocab_size
+        select = slice(None) if self.covers_vocabulary else self.token_ids
+        self.weight = head.weight[select]
+        self.bias = head.bias[select] if getattr(head, "bias", None) is not None else None
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.scores = torch.full((1, vocab_size), -float("inf"), dtype=head.weight.dtype, device=head.weight.device)
 
@@ -119,6 +128,8 @@ class RestrictedDraftHead:
         return logits
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.covers_vocabulary:
+            return self.subset_logits(hidden)
         scores = self.scores.clone()
         scores[0, self.token_ids] = self.subset_logits(hidden)[0]
         return scores
@@ -156,6 +167,70 @@ class LayerSkipDrafter(Drafter):
             )
 
     def close(self) -> None:
+        self.skipper.close()
+
+
+class ShallowExitDrafter(Drafter):
+    """Kangaroo: the model's first `exit_layer` layers, then a trained adapter, then the LM head.
+
+    The shallow layers write into the verifier's own cache, so their KV is shared and needs no
+    recompute; the layers above the exit are bypassed while drafting (see `LayerSkipper`). The
+    adapter's attention needs its own KV over the shallow hidden states of the committed text:
+    the verifier computes exactly those as the output of layer `exit_layer - 1`, so a forward
+    hook keeps them and the next draft feeds them to the adapter first. The shallow layers never
+    run twice for one token, and the adapter sees what it was trained on.
+    """
+
+    def __init__(self, model: nn.Module, cache: DraftAwareCache, adapter: DraftAdapter, draft_vocab_size: int = 0):
+        self.model, self.cache, self.adapter = model, cache, adapter
+        self.draft_vocab_size = draft_vocab_size
+        exit_layer = adapter.shape.exit_layer
+        layers = decoder_layers(model)
+        above = tuple(range(exit_layer, len(layers)))
+        self.skipper = LayerSkipper(model, above, above)
+        self.adapter_cache = DynamicCache()
+        self.adapter_length = 0  # committed positions whose shallow states the adapter cache holds
+        self.committed_length = 0  # positions the verifier has computed, the adapter's backlog included
+        self.backlog: list[torch.Tensor] = []  # shallow states of `adapter_length..committed_length`
+        self.shallow: torch.Tensor | None = None  # the latest forward's layer-exit input
+        self.head: RestrictedDraftHead | None = None
+        self.hook = layers[exit_layer - 1].register_forward_hook(self._keep_shallow_states)
+
+    def _keep_shallow_states(self, module, args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if self.skipper.active:
+            self.shallow = hidden
+        else:  # a verification: these positions follow the committed ones
+            self.backlog.append(hidden)
+
+    def _next_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        self.model.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True
+        )
+        hidden = torch.cat([*self.backlog, self.shallow], dim=1)
+        start = int(position_ids[0, -1]) + 1 - hidden.shape[1]
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)[None]
+        self.backlog = []
+        return self.head(self.adapter(hidden, positions, self.adapter_cache)[:, -1])
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        if self.head is None:  # first draft: the committed text is the prompt and one token
+            self.head = RestrictedDraftHead(self.model, self.draft_vocab_size, state.sequence[:, : state.length])
+        self.adapter_length = self.committed_length  # the backlog enters the adapter cache now
+        with self.skipper.drafting(self.cache):
+            return _draft_autoregressively(self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector)
+
+    def rollback(self, committed_kv_length: int) -> None:
+        excess = self.adapter_cache.get_seq_length() - self.adapter_length
+        if excess > 0:
+            self.adapter_cache.crop(-excess)
+        backlog = torch.cat(self.backlog, dim=1) if self.backlog else None
+        keep = committed_kv_length - self.adapter_length
+        self.backlog = [backlog[:, :keep]] if backlog is not None and keep > 0 else []
+        self.committed_length = committed_kv_length
+
+    def close(self) -> None:
+        self.hook.remove()
         self.skipper.close()
 
 

@@ -50,7 +50,7 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     base = os.environ.get("HF_SELFSPEC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hf_selfspec"
     )
@@ -78,7 +78,7 @@ def converted_model_dir() -> Path:
     fingerprint = hashlib.sha1(
         f"{gguf.name}:{stat.st_size}:{_WHEEL_VERSION}:{_CONVERSION_VERSION}".encode()
     ).hexdigest()[:12]
-    target = _cache_root() / f"smollm2-135m-instruct-{fingerprint}"
+    target = cache_root() / f"smollm2-135m-instruct-{fingerprint}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -118,10 +118,11 @@ def load_embedded(
     `generation_config` is a `generation_config.json` whose tuned profiles to apply; by default
     the one shipped with this package. Pass `None` to get the model's own config only.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .loading import AUTO, settle_auto_dtype
     from .mixin import enable
+    from .profiles import use_generation_config_file
 
     directory = converted_model_dir()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
@@ -129,6 +130,5 @@ def load_embedded(
         model = settle_auto_dtype(model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if generation_config is not None and Path(str(generation_config)).is_file():
-        path = Path(str(generation_config))
-        model.generation_config = GenerationConfig.from_pretrained(path.parent, config_file_name=path.name)
+        use_generation_config_file(model, Path(str(generation_config)))
     return enable(model), tokenizer

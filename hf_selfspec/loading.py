@@ -76,10 +76,11 @@ def load_model_and_tokenizer(
     """`(enabled model, tokenizer)`. `generation_config` optionally replaces the model's own
     generation config with a `generation_config.json` (for example an exported tuned profile).
     `dtype="auto"` is the checkpoint's dtype (see `settle_auto_dtype`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .embedded import load_embedded
     from .mixin import enable
+    from .profiles import use_generation_config_file
 
     dtype = parse_dtype(dtype)
     if model == EMBEDDED:
@@ -95,7 +96,7 @@ def load_model_and_tokenizer(
         path = Path(generation_config)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such generation_config.json")
-        loaded.generation_config = GenerationConfig.from_pretrained(path.parent, config_file_name=path.name)
+        use_generation_config_file(loaded, path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return loaded, tokenizer

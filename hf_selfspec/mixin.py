@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .adapter import anchor_draft_adapter
 from .cache import DraftAwareCache
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
@@ -127,7 +128,10 @@ class SelfSpecMixin(GenerationMixin):
         resolved = resolve_strategy(strategy if strategy is not None else profile.strategy)
         config_values = {name: getattr(config, name) for name in PARAM_NAMES if getattr(config, name, None) is not None}
         params = resolve_params(
-            len(decoder_layers(self)), explicit, config_values, profile.params if profile is not None else {}
+            len(decoder_layers(self)),
+            explicit,
+            anchor_draft_adapter(self, config_values),
+            anchor_draft_adapter(self, profile.params) if profile is not None else {},
         )
         return StrategyPlan(resolved, params, kwargs.get("assistant_model"))
 

@@ -40,6 +40,10 @@ class SelfSpecParams:
     # chat prompts, 8 probed a hopeless draft often enough to cost a few percent, and 32 was no
     # better than 16 there while slower to notice text that starts repeating.
     backoff_probe_interval: int = 16
+    # A trained draft adapter's file (see `hf_selfspec.adapter`); when set, the draft is the
+    # model's first layers plus the adapter instead of a layer-skip set. Relative names resolve
+    # against the directory of the generation_config.json the profile came from.
+    draft_adapter: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -58,6 +62,7 @@ _PROBABILITY_KEYS = (
     "threshold_ema",
     "target_confidence_threshold",
 )
+_PATH_KEYS = ("draft_adapter",)
 _COUNT_KEYS = {
     "max_draft_tokens": 1,
     "prompt_lookup_tokens": 0,
@@ -93,6 +98,9 @@ def check_param_types(values: Mapping[str, Any], where: str) -> None:
         elif key in _COUNT_KEYS:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{where}: {key} must be an int, got {value!r}")
+        elif key in _PATH_KEYS:
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {key} must be a file name, got {value!r}")
         elif key in _PROBABILITY_KEYS:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{where}: {key} must be a number, got {value!r}")

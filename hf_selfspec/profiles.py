@@ -118,6 +118,16 @@ def write_profile(generation_config: Any, key: str, profile: TunedProfile) -> No
         setattr(generation_config, PROFILE_KEY, profiles)
 
 
+def use_generation_config_file(model: torch.nn.Module, path: str | Path) -> None:
+    """Replace the model's generation config with a `generation_config.json` and remember its
+    directory, against which the profiles' file names (a draft adapter) are resolved."""
+    from transformers import GenerationConfig
+
+    path = Path(path)
+    model.generation_config = GenerationConfig.from_pretrained(path.parent, config_file_name=path.name)
+    model.selfspec_config_dir = path.parent
+
+
 _warned_keys: set[tuple[int, str]] = set()
 
 

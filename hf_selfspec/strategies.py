@@ -17,7 +17,8 @@ from torch import nn
 
 from .cache import DraftAwareCache
 from .decoding import SpeculationParts
-from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter
+from .adapter import load_adapter
+from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import LayerSkipper
 from .params import SelfSpecParams
 from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
@@ -31,6 +32,8 @@ class Strategy:
     name: ClassVar[str] = ""
     # Whether `assistant_model=` may replace the layer-skip draft.
     accepts_assistant_model: ClassVar[bool] = False
+    # Whether the strategy drafts only with a trained adapter (`draft_adapter`).
+    needs_draft_adapter: ClassVar[bool] = False
 
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
         return ExitPolicy(params.draft_exit_threshold)
@@ -48,6 +51,13 @@ class Strategy:
     ) -> Drafter:
         if assistant_model is not None:
             drafter: Drafter = AssistantDrafter(assistant_model)
+        elif self.needs_draft_adapter and not params.draft_adapter:
+            raise ValueError(
+                f"strategy {self.name!r} needs draft_adapter=<file>: train one with `hf-selfspec train-adapter`"
+            )
+        elif params.draft_adapter:
+            adapter = load_adapter(model, params.draft_adapter)
+            drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size)
         else:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
             drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size)
@@ -127,3 +137,12 @@ class TargetConfidenceGated(Strategy):
 
     def build_gate(self, params: SelfSpecParams) -> Gate:
         return TargetConfidenceGate(params.target_confidence_threshold)
+
+
+@register_strategy("kangaroo")
+class Kangaroo(Strategy):
+    """Draft with the model's first layers and a trained adapter (Kangaroo, Liu et al. 2024)
+    until `max_draft_tokens` or the fixed exit threshold; every other strategy drafts the same
+    way when given `draft_adapter`, this one insists on it."""
+
+    needs_draft_adapter = True

@@ -21,6 +21,7 @@ from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.measure import TimedRun
 from hf_selfspec.profiles import PROFILE_KEY
 from hf_selfspec.prompts import Prompt, encode_prompt, load_prompts
+from hf_selfspec.strategies import resolve_strategy
 from hf_selfspec.stats import StrategyStats
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -54,6 +55,11 @@ def assert_valid_png(path):
     assert imread(path).ndim == 3
 
 
+def _untrained_strategies() -> list[str]:
+    """The strategies the bench runs without a draft adapter: all but kangaroo."""
+    return [s for s in hf_selfspec.available_strategies() if not resolve_strategy(s).needs_draft_adapter]
+
+
 def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, prompt_file, tmp_path, capsys):
     output = tmp_path / "out"
     status = main(
@@ -62,7 +68,7 @@ def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, promp
     assert status == 0
     results = json.loads((output / "results.json").read_text())
     by_name = {contender["name"]: contender for contender in results["contenders"]}
-    expected = [BASELINE, "prompt_lookup", "early_exit", *hf_selfspec.available_strategies()]
+    expected = [BASELINE, "prompt_lookup", "early_exit", *_untrained_strategies()]
     assert list(by_name) == expected
     # Every contender runs plainly unless it is one of ours: a tuned profile must not leak in.
     for contender in results["contenders"]:
@@ -74,7 +80,7 @@ def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, promp
     # float32: nothing short of identity is consistent
     assert results["consistency_tolerance_ulps"] == 0
     assert by_name[BASELINE]["consistency"]["verdict"] == "identical"
-    for name in hf_selfspec.available_strategies():
+    for name in _untrained_strategies():
         assert by_name[name]["consistency"]["verdict"] == "identical", f"{name} changed the greedy output"
         assert by_name[name]["verifications"] is not None
         assert by_name[name]["params_label"] == "default"
@@ -271,7 +277,7 @@ def test_tuned_profile_drives_its_strategy_only(tiny_llama_dir, tmp_path):
     assert tuned.params_label == "tuned"
     assert tuned.generate_kwargs["attn_skip_layers"] == [1]
     assert tuned.generate_kwargs["max_draft_tokens"] == 3
-    for name in set(hf_selfspec.available_strategies()) - {"self_speculative"}:
+    for name in set(_untrained_strategies()) - {"self_speculative"}:
         assert by_name[name].params_label == "default"
         assert by_name[name].generate_kwargs["attn_skip_layers"] == [2]
         assert by_name[name].generate_kwargs["max_draft_tokens"] != 3
@@ -386,3 +392,18 @@ def test_help_describes_every_option(capsys):
         "results.json", "speedup.png", "acceptance.png",
     ]:  # fmt: skip
         assert option in text
+
+
+def test_a_draft_adapter_adds_the_kangaroo_contender(tiny_llama_dir, prompt_file, tmp_path):
+    from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
+
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir), device="cpu")
+    adapter = save_adapter(DraftAdapter(model, AdapterShape.for_model(model, 2)), tmp_path / "draft")
+    assert "kangaroo" not in {c.name for c in build_contenders(model, hf_selfspec.available_strategies())}
+    output = tmp_path / "out"
+    status = main(["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output),
+                   "--draft-adapter", str(adapter), "--contenders", "kangaroo", *BENCH_FLAGS])
+    assert status == 0
+    [_, kangaroo] = json.loads((output / "results.json").read_text())["contenders"]
+    assert kangaroo["name"] == "kangaroo" and kangaroo["identical"]
+    assert kangaroo["generate_kwargs"]["draft_adapter"] == str(adapter)

@@ -1,4 +1,4 @@
-"""Argument wiring for `hf-selfspec tune | dashboard | export | push | quickstart`.
+"""Argument wiring for `hf-selfspec tune | dashboard | export | push | train-adapter | quickstart`.
 
 Only argparse lives here; each command's work is in its own module, imported when the command
 runs, so the tuner's dependencies (optuna, optuna-dashboard, the Hub client) load only then.
@@ -113,6 +113,15 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
+@_reporting("train-adapter")
+def _train_adapter(args: argparse.Namespace) -> int:
+    from .train_adapter import describe_result, load_train_config, run_train_adapter
+
+    config = load_train_config(args.config)
+    print(describe_result(run_train_adapter(config, show_progress=not args.no_progress)))
+    return 0
+
+
 @_reporting("quickstart")
 def _quickstart(args: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
@@ -207,6 +216,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     push.add_argument("--endpoint", metavar="URL", help="Hub endpoint (default: huggingface_hub's, or HF_ENDPOINT)")
     push.set_defaults(func=_push)
+
+    train = subparsers.add_parser(
+        "train-adapter",
+        help="train a Kangaroo draft adapter (for strategy='kangaroo') by self-distillation",
+        description="Self-distil a draft adapter for each exit layer of the config: one decoder block that maps "
+        "the hidden state after the model's first exit_layer layers to the full model's next-token distribution, "
+        "teacher-forced on a corpus of text that ships with the installed packages (the standard library's "
+        "sources, optionally HumanEval problems 40 onwards). Writes NAME.safetensors and NAME.json into the "
+        "config's output_dir, beside the generation_config.json whose profile will name the file. The model's "
+        "pass over the corpus and a checkpoint every checkpoint_every steps are kept in the user cache, so a "
+        "killed run resumes where it stopped and ends exactly as an uninterrupted one with the same seed.",
+        epilog="Config sections (all optional): [model] name, dtype, device; [corpus] stdlib_tokens, "
+        "humaneval_from, chunk_tokens, heldout_fraction; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
+        "output_dir (relative to the config); [training] steps, batch_chunks, lr, seed, vocab_size, eval_every, "
+        "checkpoint_every. Example: studies/tuned/smollm2-135m-instruct/kangaroo-train.toml",
+    )
+    train.add_argument("config", type=Path, metavar="CONFIG.toml", help="training config")
+    train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    train.set_defaults(func=_train_adapter)
 
     quickstart = subparsers.add_parser(
         "quickstart",

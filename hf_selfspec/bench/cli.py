@@ -142,6 +142,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "generate(custom_generate=DIR, trust_remote_code=True), to compare with the installed plugin",
     )
     parser.add_argument(
+        "--draft-adapter",
+        metavar="FILE",
+        help="a draft adapter (from `hf-selfspec train-adapter`) for the kangaroo contender, run with "
+        "default parameters; without it kangaroo runs only when the tuned profile names it",
+    )
+    parser.add_argument(
         "--contenders",
         metavar="NAME[,NAME...]",
         help="run only these contenders besides the baseline, for example "
@@ -287,7 +293,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         contenders = select_contenders(
             build_contenders(
-                model, available_strategies(), assistant=assistant, custom_generate=args.custom_generate
+                model,
+                available_strategies(),
+                assistant=assistant,
+                custom_generate=args.custom_generate,
+                draft_adapter=str(Path(args.draft_adapter).resolve()) if args.draft_adapter else None,
             ),
             args.contenders,
         )

@@ -12,9 +12,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..adapter import anchor_draft_adapter
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
 from ..profiles import TunedProfile, device_profile_key, read_profiles
+from ..strategies import resolve_strategy
 
 BASELINE = "baseline"
 PLAIN = "plain"
@@ -74,8 +76,9 @@ def default_params(model) -> dict[str, Any]:
 
 
 def _profile_params(model, profile: TunedProfile) -> dict[str, Any]:
-    """A profile's parameters completed and validated exactly as `generate` would."""
-    return resolve_params(_num_layers(model), profile.params).as_dict()
+    """A profile's parameters completed and validated exactly as `generate` would (a draft
+    adapter's file name resolved against the profile's directory, as `generate` resolves it)."""
+    return resolve_params(_num_layers(model), anchor_draft_adapter(model, profile.params)).as_dict()
 
 
 def tuned_profile(model) -> tuple[str, TunedProfile | None]:
@@ -86,7 +89,11 @@ def tuned_profile(model) -> tuple[str, TunedProfile | None]:
 
 
 def build_contenders(
-    model, strategies: Sequence[str], assistant=None, custom_generate: str | None = None
+    model,
+    strategies: Sequence[str],
+    assistant=None,
+    custom_generate: str | None = None,
+    draft_adapter: str | None = None,
 ) -> list[Contender]:
     """The baseline first, then transformers' methods, then ours; with `assistant`, also
     transformers' assisted generation and (when available) our gated strategy over that draft;
@@ -94,7 +101,9 @@ def build_contenders(
     more, run by that folder's code through transformers' `custom_generate`.
 
     The strategy a tuned profile names runs with the profile's parameters; every other strategy
-    runs with the default skip set, so an untuned model is still measured on equal terms.
+    runs with the default skip set, so an untuned model is still measured on equal terms. A
+    strategy that drafts only with a trained adapter (kangaroo) runs untuned with `draft_adapter`,
+    and is left out when neither a profile nor `draft_adapter` provides one.
     """
     profile_key, profile = tuned_profile(model)
     if profile is not None and profile.strategy not in strategies:
@@ -127,6 +136,10 @@ def build_contenders(
     for strategy in strategies:
         if profile is not None and profile.strategy == strategy:
             params, label = _profile_params(model, profile), TUNED
+        elif resolve_strategy(strategy).needs_draft_adapter:
+            if draft_adapter is None:
+                continue
+            params, label = {**default_params(model), "draft_adapter": draft_adapter}, f"{DEFAULT}, {draft_adapter}"
         else:
             params, label = default_params(model), DEFAULT
         contenders.append(

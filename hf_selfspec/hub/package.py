@@ -29,8 +29,9 @@ ENTRY_MODULE = "generate"
 BUNDLED_PROFILES_MODULE = "bundled_profiles"
 CARD_NAME = "README.md"
 REQUIREMENTS_NAME = "requirements.txt"
-# Besides the standard library, what the copied core may import: transformers needs torch anyway.
-RUNTIME_DEPENDENCIES = ("torch", "transformers")
+# Besides the standard library, what the copied core may import: transformers needs torch and
+# safetensors anyway.
+RUNTIME_DEPENDENCIES = ("torch", "transformers", "safetensors")
 _CARD_START = "<!-- hf-selfspec:start -->"
 _CARD_END = "<!-- hf-selfspec:end -->"
 _CARD_FRONT_MATTER = "---\nlibrary_name: transformers\ntags:\n- custom_generate\n- self-speculative-decoding\n---\n"
@@ -73,7 +74,7 @@ def core_modules() -> list[str]:
             if foreign:
                 raise PackageError(
                     f"hf_selfspec/{name}.py imports {', '.join(foreign)}; the packaged core may import only the "
-                    f"standard library, {' and '.join(RUNTIME_DEPENDENCIES)}"
+                    f"standard library, {', '.join(RUNTIME_DEPENDENCIES)}"
                 )
             needed.append(name)
             pending.append(path)

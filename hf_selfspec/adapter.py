@@ -1,0 +1,225 @@
+"""A Kangaroo-style draft adapter: one decoder block and a final norm that map the hidden state
+leaving the model's first `exit_layer` layers to what the model's own LM head expects.
+
+The block is built from the model's own layer class (a copy of layer `exit_layer`), so every
+architecture's norms, rotary embeddings and attention variants come for free, and training can
+start from that layer's weights rather than from noise. Its attention keeps its own KV cache over
+the shallow hidden states of the committed text.
+
+On disk an adapter is `<name>.safetensors` (the block's and the norm's weights) plus `<name>.json`
+(its shape), next to the `generation_config.json` whose profile names it.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .layer_skip import decoder_layers
+
+ADAPTER_FORMAT = "hf-selfspec-draft-adapter/1"
+
+
+@dataclass(frozen=True)
+class AdapterShape:
+    """What an adapter file must agree with before its weights can be trusted on a model."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    exit_layer: int
+    mlp: bool = True
+
+    @classmethod
+    def for_model(cls, model: nn.Module, exit_layer: int, mlp: bool = True) -> "AdapterShape":
+        return cls(model.config.model_type, len(decoder_layers(model)), model.config.hidden_size, exit_layer, mlp)
+
+    def to_json(self) -> dict:
+        return {"format": ADAPTER_FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, raw: dict, where: str) -> "AdapterShape":
+        if not isinstance(raw, dict) or raw.get("format") != ADAPTER_FORMAT:
+            raise ValueError(f"{where}: not a draft adapter description (expected format {ADAPTER_FORMAT!r})")
+        try:
+            return cls(**{key: value for key, value in raw.items() if key != "format"})
+        except TypeError as error:
+            raise ValueError(f"{where}: {error}") from None
+
+    def check_fits(self, model: nn.Module, where: str) -> None:
+        expected = AdapterShape.for_model(model, self.exit_layer, self.mlp)
+        for name in ("model_type", "hidden_size", "num_layers"):
+            if getattr(self, name) != getattr(expected, name):
+                raise ValueError(
+                    f"{where}: the adapter was trained for {name} {getattr(self, name)!r}, "
+                    f"but the model has {getattr(expected, name)!r}"
+                )
+        check_exit_layer(self.exit_layer, expected.num_layers, where)
+
+
+def check_exit_layer(exit_layer: int, num_layers: int, where: str) -> None:
+    # The draft needs at least one shared layer, and exiting at the last layer saves nothing.
+    if not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
+        raise ValueError(f"{where}: exit layer {exit_layer!r} is out of range 1..{num_layers - 1} for this model")
+
+
+class _NoMLP(nn.Module):
+    """A zero feed-forward contribution: the residual passes through (also Gemma's sandwich
+    norms, which map zero to zero)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden_states)
+
+
+def _additive_causal_mask(query_length: int, past_length: int, like: torch.Tensor) -> torch.Tensor | None:
+    """The mask eager and SDPA attention both take: 0 where a query may look, the dtype's minimum
+    elsewhere. None for one query, which may look at everything."""
+    if query_length == 1:
+        return None
+    keys = torch.arange(past_length + query_length, device=like.device)
+    queries = torch.arange(query_length, device=like.device)[:, None] + past_length
+    blocked = keys[None, :] > queries
+    mask = torch.zeros(blocked.shape, dtype=like.dtype, device=like.device)
+    return mask.masked_fill(blocked, torch.finfo(like.dtype).min)[None, None]
+
+
+class DraftAdapter(nn.Module):
+    def __init__(self, model: nn.Module, shape: AdapterShape):
+        super().__init__()
+        shape.check_fits(model, "draft adapter")
+        decoder = model.get_decoder()
+        self.shape = shape
+        self.block = copy.deepcopy(decoder_layers(model)[shape.exit_layer])
+        for module in self.block.modules():
+            # A copy taken while a drafter has the model's layers patched would keep calling the
+            # model's own layer; the block must run its own weights.
+            module.__dict__.pop("forward", None)
+            module._forward_hooks.clear()
+            module._forward_pre_hooks.clear()
+        self.block.self_attn.layer_idx = 0  # the only layer of the adapter's own cache
+        if hasattr(self.block.self_attn, "sliding_window"):
+            self.block.self_attn.sliding_window = None  # the adapter sees every committed token
+        if not shape.mlp:
+            self.block.mlp = _NoMLP()
+        self.norm = copy.deepcopy(decoder.norm)
+        # Rotary embeddings carry no trained weights; a copy keeps the adapter self-contained.
+        self.rotary = copy.deepcopy(decoder.rotary_emb)
+        layer_types = getattr(model.config, "layer_types", None)
+        takes_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rotary_layer_type = layer_types[shape.exit_layer] if takes_layer_type and layer_types else None
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """Normed hidden states `[1, n, hidden]` for the LM head; with `cache`, the inputs extend
+        what it holds (their positions must continue it), without it they are a whole text."""
+        rotary_args = (self.rotary_layer_type,) if self.rotary_layer_type is not None else ()
+        position_embeddings = self.rotary(hidden, position_ids, *rotary_args)
+        past_length = cache.get_seq_length() if cache is not None else 0
+        output = self.block(
+            hidden,
+            attention_mask=_additive_causal_mask(hidden.shape[1], past_length, hidden),
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
+        return self.norm(output[0] if isinstance(output, tuple) else output)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The weights that go to disk: the block's and the norm's, not the rotary buffers."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+
+
+def adapter_files(path: str | Path) -> tuple[Path, Path]:
+    """`(weights, shape)` paths for an adapter named by either file or by its stem."""
+    path = Path(path)
+    stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
+    return stem.with_name(stem.name + ".safetensors"), stem.with_name(stem.name + ".json")
+
+
+def save_adapter(adapter: DraftAdapter, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the weights and the shape, each through a temporary file renamed into place."""
+    from safetensors.torch import save_file
+
+    weights_path, shape_path = adapter_files(path)
+    weights_path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in adapter.trained_state().items()}
+    staging = weights_path.with_name(weights_path.name + ".tmp")
+    save_file(tensors, str(staging))
+    staging.replace(weights_path)
+    staging = shape_path.with_name(shape_path.name + ".tmp")
+    staging.write_text(json.dumps(adapter.shape.to_json(), indent=2) + "\n")
+    staging.replace(shape_path)
+    return weights_path
+
+
+def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
+    """The adapter at `path`, checked against `model`, in the model's dtype and on its device."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights_path, shape_path = adapter_files(path)
+    for required in (weights_path, shape_path):
+        if not required.is_file():
+            raise ValueError(f"draft adapter file {required} is missing")
+    try:
+        raw = json.loads(shape_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{shape_path}: not valid JSON ({error})") from None
+    shape = AdapterShape.from_json(raw, str(shape_path))
+    shape.check_fits(model, str(shape_path))
+    adapter = DraftAdapter(model, shape)
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{weights_path}: cannot read the adapter's weights ({error})") from None
+    expected = adapter.trained_state()
+    if set(tensors) != set(expected):
+        missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise ValueError(f"{weights_path}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"{weights_path}: {name} has shape {tuple(tensor.shape)}, the model needs {tuple(expected[name].shape)}"
+            )
+    adapter.load_state_dict(tensors, strict=False)
+    return adapter.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
+
+
+# Loaded adapters per model, so repeated `generate` calls do not re-read the file.
+_loaded: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
+    weights_path, _ = adapter_files(path)
+    stamp = (str(weights_path.resolve()), weights_path.stat().st_mtime_ns if weights_path.is_file() else None,
+             model.dtype, model.device)
+    per_model = _loaded.setdefault(model, {})
+    if stamp not in per_model:
+        per_model.clear()
+        per_model[stamp] = read_adapter(model, weights_path)
+    return per_model[stamp]
+
+
+def anchor_draft_adapter(model: nn.Module, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Profile or generation-config values with a relative `draft_adapter` made absolute.
+
+    A profile names its adapter relative to the `generation_config.json` it came from (recorded
+    by the loaders as `model.selfspec_config_dir`), or else to the model's own directory, so the
+    two travel together; a name passed to `generate()` itself is relative to the working
+    directory, like any path a program is given.
+    """
+    name = values.get("draft_adapter")
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        return dict(values)
+    base = getattr(model, "selfspec_config_dir", None)
+    if base is None and Path(str(getattr(model, "name_or_path", "") or "")).is_dir():
+        base = model.name_or_path
+    return {**values, "draft_adapter": str(Path(base) / name) if base is not None else name}

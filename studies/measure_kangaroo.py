@@ -1,0 +1,121 @@
+"""Per exit layer: what a Kangaroo draft token costs relative to a plain decoding step, and how
+often the draft agrees with the full model on its own greedy continuations of HumanEval 20-39
+(never trained or tuned on), bfloat16.
+
+    OMP_NUM_THREADS=1 .venv/bin/python studies/measure_kangaroo.py [--prompts N] ADAPTER.safetensors [...]
+
+Cost: one-token forwards of the full model and one-token draft steps (shallow layers, adapter,
+head restricted to 8,192 ids plus the prompt's), interleaved, at the end of a prompt's prefill;
+medians. Agreement: the draft's argmax at each position of plain greedy's 64 new tokens, fed
+the full model's own shallow states (what a draft's first token sees), split by the draft's
+confidence: the share of positions at or above each exit threshold and the agreement there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from transformers import LogitsProcessorList
+
+from hf_selfspec import load_embedded
+from hf_selfspec.adapter import load_adapter
+from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.drafters import DecodingState, RestrictedDraftHead, ShallowExitDrafter
+from hf_selfspec.layer_skip import decoder_layers
+from hf_selfspec.policies import ExitPolicy
+from hf_selfspec.prompts import encode_prompt, load_prompts
+from hf_selfspec.selection import TokenSelector
+
+NEW_TOKENS = 64
+DRAFT_VOCAB = 8192
+THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
+REPEATS = 15
+
+
+@torch.no_grad()
+def draft_cost(model, adapters, input_ids) -> dict[str, float]:
+    """Median seconds of a one-token step, for the full model and each adapter's draft (after a
+    first, untimed draft that feeds the adapter the prefill's shallow states)."""
+    times: dict[str, list[float]] = {"full": [], **{a: [] for a in adapters}}
+    length = input_ids.shape[1]
+    sequence = torch.cat([input_ids, input_ids.new_zeros((1, 16))], dim=1)
+    positions = torch.arange(sequence.shape[1])[None]
+    cache = DraftAwareCache(model.config)
+    drafters = {a: ShallowExitDrafter(model, cache, load_adapter(model, a), DRAFT_VOCAB) for a in adapters}
+    model(input_ids=input_ids[:, :-1], position_ids=positions[:, : length - 1], past_key_values=cache, use_cache=True)
+    selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
+    try:
+        for repeat in range(REPEATS + 1):
+            started = time.perf_counter()
+            model(input_ids=sequence[:, length - 1 : length], position_ids=positions[:, length - 1 : length],
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            times["full"].append(time.perf_counter() - started)
+            cache.rollback(length - 1)
+            for a, drafter in drafters.items():
+                drafter.rollback(length - 1)
+                started = time.perf_counter()
+                drafter.propose(DecodingState(sequence, positions, length), 1, never_exit, selector)
+                if repeat:
+                    times[a].append(time.perf_counter() - started)
+                cache.rollback(length - 1)
+    finally:
+        for drafter in reversed(list(drafters.values())):  # undo their layer patches in reverse
+            drafter.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+@torch.no_grad()
+def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float, float]]]:
+    layers = decoder_layers(model)
+    loaded = {a: load_adapter(model, a) for a in adapters}
+    hits = {a: {t: [0, 0] for t in THRESHOLDS} for a in adapters}
+    total = 0
+    for inputs in encoded:
+        out = model.generate(**inputs, strategy="plain", max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        prompt_length = inputs["input_ids"].shape[1]
+        shallow = {}
+        hooks = [layers[loaded[a].shape.exit_layer - 1].register_forward_hook(
+            lambda m, args, output, a=a: shallow.__setitem__(a, output)) for a in adapters]
+        try:
+            model.get_decoder()(input_ids=out, use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        targets = out[0, prompt_length:]
+        total += len(targets)
+        for a, adapter in loaded.items():
+            head = RestrictedDraftHead(model, DRAFT_VOCAB, inputs["input_ids"])
+            hidden = adapter(shallow[a], torch.arange(out.shape[1])[None])[0, prompt_length - 1 : -1]
+            scores = torch.stack([head(h[None])[0] for h in hidden]).float().softmax(-1)
+            confidence, guess = scores.max(-1)
+            for t in THRESHOLDS:
+                kept = confidence >= t
+                hits[a][t][0] += int(kept.sum())
+                hits[a][t][1] += int((guess[kept] == targets[kept]).sum())
+    return {a: [(hits[a][t][0] / total, hits[a][t][1] / max(hits[a][t][0], 1)) for t in THRESHOLDS] for a in adapters}
+
+
+def main(adapters: list[str], n_prompts: int) -> None:
+    model, tokenizer = load_embedded(dtype=torch.bfloat16, generation_config=None)
+    encoded = [encode_prompt(tokenizer, p) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
+    costs = draft_cost(model, adapters, encoded[0]["input_ids"])
+    print(f"full one-token step: {1000 * costs['full']:.1f} ms (median of {REPEATS})")
+    for a in adapters:
+        print(f"{a}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / costs['full']:.3f} of a step")
+    for a, rows in agreement(model, tokenizer, adapters, encoded).items():
+        cells = ", ".join(f">={t}: share {share:.2f} agree {agree:.3f}" for t, (share, agree) in zip(THRESHOLDS, rows))
+        print(f"{a} on plain greedy's tokens for HumanEval 20-{19 + n_prompts}: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts from 20 on (at most 20)")
+    parser.add_argument("adapters", nargs="+")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    main(args.adapters, min(args.prompts, 20))

@@ -1,0 +1,99 @@
+"""`hf-selfspec train-adapter`: deterministic, resumable after SIGKILL, strict about its config."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_selfspec.adapter import read_adapter
+from hf_selfspec.loading import load_model_and_tokenizer
+from tuning.config import StudyConfigError
+from tuning.train_adapter import load_train_config, run_train_adapter
+
+STEPS = 300
+
+
+def _config(directory: Path, model_dir: Path, **overrides) -> Path:
+    training = {"steps": STEPS, "batch_chunks": 2, "checkpoint_every": 10, "eval_every": 100, "seed": 3, "vocab_size": 512}
+    training.update(overrides)
+    lines = [
+        "[model]", f'name = "{model_dir}"', "[corpus]", "stdlib_tokens = 2048", "humaneval_from = 150",
+        "chunk_tokens = 64", "[adapter]", "exit_layers = [2]", 'output_dir = "out"', "[training]",
+        *(f"{key} = {value}" for key, value in training.items()),
+    ]
+    path = directory / "train.toml"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache-a"))
+    [(exit_layer, uninterrupted, _)] = run_train_adapter(load_train_config(_config(tmp_path / "a", tiny_llama_dir)), False)
+
+    config = _config(tmp_path / "b", tiny_llama_dir)
+    env = {**os.environ, "HF_SELFSPEC_CACHE": str(tmp_path / "cache-b"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "hf_selfspec.cli", "train-adapter", str(config), "--no-progress"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    checkpoints: list[Path] = []
+    while not checkpoints and process.poll() is None and time.monotonic() < deadline:
+        checkpoints = list((tmp_path / "cache-b").glob("adapter-training/*/exit2.checkpoint.pt"))
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert checkpoints, "no checkpoint appeared before the run ended"
+    assert torch.load(checkpoints[0])["step"] < STEPS  # it really was cut off
+    assert not (tmp_path / "b" / "out" / "kangaroo-exit2.safetensors").exists()
+
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "held-out top-1 agreement" in resumed.stdout
+    first, second = load_file(str(uninterrupted)), load_file(str(tmp_path / "b" / "out" / "kangaroo-exit2.safetensors"))
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
+    assert read_adapter(model, uninterrupted).shape.exit_layer == exit_layer == 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("[corpus]\nhumaneval_from = 39\n", "evaluation prompts"),
+        ("[training]\nstepz = 3\n", "unknown key"),
+        ("[adapter]\nexit_layers = []\n", "non-empty list"),
+        ("[adapter]\nname = \"x{layer}\"\n", "placeholder"),
+        ("[optimizer]\n", "unknown section"),
+        ("[training]\nlr = -1.0\n", "positive"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, change, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(change)
+    with pytest.raises(StudyConfigError, match=message):
+        load_train_config(path)
+
+
+def test_an_exit_layer_out_of_range_is_a_config_error(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = _config(tmp_path, tiny_llama_dir)
+    path.write_text(path.read_text().replace("exit_layers = [2]", "exit_layers = [4]"))
+    with pytest.raises(StudyConfigError, match="exit layer 4 is out of range 1..3"):
+        run_train_adapter(load_train_config(path), False)
+
+
+def test_help_names_the_corpus_and_the_outputs():
+    result = subprocess.run([sys.executable, "-m", "hf_selfspec.cli", "train-adapter", "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "standard library" in result.stdout and "safetensors" in result.stdout

