@@ -88,7 +88,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--config",
         metavar="generation_config.json",
         help="generation config whose tuned profile for this device and dtype to benchmark, "
-        "for example one written by `hf-selfspec export` (default: the model's own)",
+        "for example one written by `hf-selfspec export` (default: the model's own; for the embedded "
+        "model, the profiles shipped with hf-selfspec, as load_embedded() applies them)",
     )
     parser.add_argument(
         "--prompts",
@@ -215,6 +216,15 @@ def check_model(name: str) -> str:
     return str(path)
 
 
+def _default_config(model_name: str) -> str | None:
+    """The embedded model is benchmarked as `load_embedded()` serves it, with the shipped profiles;
+    any other model with its own generation config."""
+    from ..embedded import TUNED_CONFIG
+    from ..loading import EMBEDDED
+
+    return str(TUNED_CONFIG) if model_name == EMBEDDED else None
+
+
 def _device(args: argparse.Namespace) -> str:
     import torch
 
@@ -269,8 +279,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompts = load_prompts(prompt_source(args.prompts), n=args.n_prompts, offset=args.prompt_offset)
         model_name = check_model(args.model)
-        if args.config:
-            check_config(args.config)
+        config = args.config or _default_config(model_name)
+        if config:
+            check_config(config)
         if args.custom_generate:
             check_package_folder(args.custom_generate, "--custom-generate")
         device = _device(args)
@@ -281,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--output {args.output}: cannot create it ({error.strerror or error})")
     try:
         model, tokenizer = load_model_and_tokenizer(
-            model_name, gguf_file=args.gguf_file, dtype=args.dtype, device=device, generation_config=args.config
+            model_name, gguf_file=args.gguf_file, dtype=args.dtype, device=device, generation_config=config
         )
     except (OSError, ValueError, RuntimeError) as error:  # bad path or id, no embedded wheel, bad files
         return _fail(f"cannot load --model {args.model}: {error}")
