@@ -170,8 +170,10 @@ class ThroughputBackoff(Backoff):
             return not self.speculative.measured
         wins = self._speculation_wins()
         loser, winner = (self.plain, self.speculative) if wins else (self.speculative, self.plain)
-        margin = loser.seconds_per_token / winner.seconds_per_token - 1
-        wait = min(self.interval, max(1, math.ceil(margin / self._PROBE_BUDGET)))
+        wait = self.interval
+        if winner.seconds > 0:  # a winner priced at nothing (a replay can be) leaves the loser hopeless
+            margin = loser.seconds_per_token / winner.seconds_per_token - 1
+            wait = min(wait, max(1, math.ceil(margin / self._PROBE_BUDGET)))
         return wins != (loser.steps_since_run >= wait)
 
     def record(self, drafted: int, committed: int, seconds: float) -> None:

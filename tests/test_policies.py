@@ -132,6 +132,18 @@ def test_backoff_keeps_a_paying_draft_and_still_probes_plain_steps():
     assert plain_steps == [1, 6, 15]  # plain idles 4 steps after measuring, then 8, ...
 
 
+def test_backoff_probes_a_close_loser_sooner_and_a_free_winner_on_schedule():
+    close = ThroughputBackoff(probe_interval=16)
+    # 1.05 s for 1 token: speculating loses by 5%, so a probe costs little and comes every 3 steps
+    decisions = _run(close, 20, speculative_cost=1.05, speculative_tokens=1)
+    probes = [step for step, speculate in enumerate(decisions) if speculate][1:]
+    assert probes[:3] == [4, 8, 12]
+    # a winner priced at nothing (a replay's cost model can be) keeps the doubling schedule
+    free = ThroughputBackoff(probe_interval=4)
+    plain_steps = [step for step, speculate in enumerate(_run(free, 30, 0.0, 3)) if not speculate]
+    assert plain_steps == [1, 6, 15]
+
+
 def test_backoff_returns_to_drafting_when_the_text_starts_repeating():
     backoff = ThroughputBackoff(probe_interval=4)
     _run(backoff, 20, speculative_cost=1.8, speculative_tokens=1)
