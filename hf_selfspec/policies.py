@@ -141,10 +141,11 @@ class ThroughputBackoff(Backoff):
     keeps free proposals paying in bfloat16, where a rejected verification costs ~5% more than a
     plain step: a streak of rejections makes speculating lose by a few percent, and a wait of 16
     to 64 steps then missed most of the repetitive stretches that follow (12% of the speed-up
-    lost on HumanEval 20-39), while probing every few steps finds them at once.
+    lost on held-out HumanEval, as the bfloat16 issue measured), while probing every few steps
+    finds them at once.
     For the same reason the smoothing keeps about five steps of memory rather than two: free
     proposals pay in rare long accepted runs between many short rejections, and a two-step
-    memory forgot the runs and backed off. On HumanEval 20-39 (bfloat16, lookup only) memory of
+    memory forgot the runs and backed off. On HumanEval 20-31 (bfloat16, lookup only) memory of
     two steps took 135 verifications where no back-off took 196; five steps took 175. On the
     chat prompts the back-off still backs a layer-skip draft off at once: its first measured
     step, which is taken whole, already loses by half.
