@@ -186,3 +186,21 @@ def test_an_adapter_for_another_model_stops_the_study_before_any_trial(adapters,
     with pytest.raises(StudyConfigError, match="search.draft_adapters: 'adapter-1-1' does not fit the model: .*model_type 'qwen3'"):
         run_tune(config, n_trials=1, show_progress=False)
     assert not (tmp_path / "optuna.db").exists() or not optuna.get_all_study_names(f"sqlite:///{tmp_path / 'optuna.db'}")
+
+
+def test_a_package_in_the_models_directory_drafts_with_its_adapter_through_transformers(tuned, tiny_llama_dir, tmp_path):
+    """transformers copies only Python files into its module cache; the adapter is found beside
+    the model's own config, where `package` put it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    package(export_profile(tuned.storage, tuned.outcome.study.study_name, tmp_path / "exported").path, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # transformers' own class, not enabled
+    inputs = AutoTokenizer.from_pretrained(model_dir)("def fib(n):", return_tensors="pt")
+    common = {"max_new_tokens": 12, "do_sample": False}
+    output = model.generate(
+        **inputs, **common, custom_generate=str(model_dir), trust_remote_code=True, return_dict_in_generate=True
+    )
+    assert output.strategy_stats.strategy == "kangaroo" and output.strategy_stats.drafted_tokens > 0
+    assert output.sequences.tolist() == model.generate(**inputs, **common).tolist()
