@@ -214,8 +214,9 @@ def _draft_adapters(reader: _Reader, table: dict[str, Any], strategy: str) -> di
         raise reader.error(key, f"must be a list of adapter files (relative to this config), got {listed!r}")
     if resolve_strategy(strategy).needs_draft_adapter and not listed:
         raise reader.error(
-            key, f"strategy {strategy!r} drafts only with a trained adapter: list the adapters to choose among, "
-            "trained beforehand with `hf-selfspec train-adapter`"
+            key,
+            f"strategy {strategy!r} drafts only with a trained adapter: list the adapters to choose among, "
+            "trained beforehand with `hf-selfspec train-adapter`",
         )
     adapters: dict[str, str] = {}
     for name in listed:

@@ -144,8 +144,10 @@ def _copy_chosen_adapter(context: StudyContext, file_name: str, output_dir: Path
     the config is written, so a missing adapter leaves DIR as it was."""
     source = context.draft_adapters.get(Path(file_name).stem)
     if source is None:
-        raise ExportError(f"the best trial drafts with {file_name}, which the study does not record; "
-                          f"it lists {', '.join(context.draft_adapters) or 'no adapters'}")
+        raise ExportError(
+            f"the best trial drafts with {file_name}, which the study does not record; "
+            f"it lists {', '.join(context.draft_adapters) or 'no adapters'}"
+        )
     try:
         copy_adapter(source, output_dir)
     except ValueError as error:
