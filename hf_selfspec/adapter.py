@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import shutil
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,20 +161,52 @@ def save_adapter(adapter: DraftAdapter, path: str | Path, dtype: torch.dtype | N
     return weights_path
 
 
+def existing_adapter_files(path: str | Path) -> tuple[Path, Path]:
+    """`adapter_files(path)`, failing with the name of the first file that is not there: an
+    adapter is only usable, or worth copying, with both."""
+    files = adapter_files(path)
+    for required in files:
+        if not required.is_file():
+            raise ValueError(f"draft adapter file {required} is missing")
+    return files
+
+
+def copy_adapter(source: str | Path, directory: str | Path) -> Path:
+    """Copy an adapter's two files into `directory`, so that a profile in the
+    `generation_config.json` there can name it by file name alone and the folder travels whole;
+    returns the copied weights file. Each file lands through a temporary one renamed into place,
+    and nothing is copied unless both exist."""
+    directory = Path(directory)
+    sources = existing_adapter_files(source)
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in sources:
+        target = directory / file.name
+        if target.exists() and target.samefile(file):
+            continue
+        staging = target.with_name(target.name + ".tmp")
+        shutil.copyfile(file, staging)
+        staging.replace(target)
+    return directory / sources[0].name
+
+
+def read_adapter_shape(path: str | Path) -> AdapterShape:
+    """The shape an adapter file declares, read without a model: enough to reject a file that
+    is not an adapter at all before a model is loaded."""
+    _, shape_path = existing_adapter_files(path)
+    try:
+        raw = json.loads(shape_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{shape_path}: not valid JSON ({error})") from None
+    return AdapterShape.from_json(raw, str(shape_path))
+
+
 def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
     """The adapter at `path`, checked against `model`, in the model's dtype and on its device."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     weights_path, shape_path = adapter_files(path)
-    for required in (weights_path, shape_path):
-        if not required.is_file():
-            raise ValueError(f"draft adapter file {required} is missing")
-    try:
-        raw = json.loads(shape_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{shape_path}: not valid JSON ({error})") from None
-    shape = AdapterShape.from_json(raw, str(shape_path))
+    shape = read_adapter_shape(path)  # checks that both files are there
     shape.check_fits(model, str(shape_path))
     adapter = DraftAdapter(model, shape)
     try:

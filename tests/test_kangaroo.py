@@ -100,22 +100,31 @@ def test_save_and_load_round_trip(tmp_path):
     assert not any(name.startswith("block.mlp.") for name in loaded.trained_state())
 
 
+def assert_profile_drafts_losslessly(model_dir, config_path, text: str = "def add(a, b):"):
+    """Load the model with `config_path` as its generation config and check that its profile
+    drafts with kangaroo and keeps plain greedy's tokens; returns the model and the inputs."""
+    from hf_selfspec.loading import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(model_dir), generation_config=config_path)
+    inputs = tokenizer(text, return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    assert output.strategy_stats.strategy == "kangaroo" and output.strategy_stats.drafted_tokens > 0
+    plain = model.generate(**inputs, max_new_tokens=12, do_sample=False, strategy="plain")
+    assert output.sequences.tolist() == plain.tolist()
+    return model, inputs
+
+
 def test_a_profile_names_its_adapter_relative_to_its_config(tiny_llama_dir, tmp_path):
     """A profile refers to the adapter by file name; it travels with its generation_config.json."""
     from hf_selfspec.loading import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
     save_adapter(DraftAdapter(model, AdapterShape.for_model(model, 2)), tmp_path / "draft.safetensors")
     config = GenerationConfig(eos_token_id=model.config.eos_token_id)
     write_profile(config, device_profile_key("cpu", torch.float32),
                   TunedProfile("kangaroo", {"draft_adapter": "draft.safetensors", "draft_exit_threshold": 0.0}))
     config.save_pretrained(tmp_path)
-    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir), generation_config=tmp_path / "generation_config.json")
-    inputs = tokenizer("def add(a, b):", return_tensors="pt")
-    output = model.generate(**inputs, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
-    assert output.strategy_stats.strategy == "kangaroo" and output.strategy_stats.drafted_tokens > 0
-    plain = model.generate(**inputs, max_new_tokens=12, do_sample=False, strategy="plain")
-    assert output.sequences.tolist() == plain.tolist()
+    model, inputs = assert_profile_drafts_losslessly(tiny_llama_dir, tmp_path / "generation_config.json")
 
     (tmp_path / "draft.safetensors").unlink()
     with pytest.raises(ValueError, match="draft.safetensors is missing"):

@@ -191,3 +191,52 @@ def test_push_refuses_clearly_and_leaves_the_file_alone(fake_hub, config_file, t
     assert message in result.stderr and "Traceback" not in result.stderr
     assert requests == []
     assert (config_file.read_bytes(), config_file.stat().st_mtime_ns) == before
+
+
+@pytest.fixture
+def adapter_config_file(config_file):
+    """The config's profile drafting with an adapter kept beside it, as `export` leaves it."""
+    from tiny_models import tiny_model
+
+    from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
+
+    model = tiny_model("llama")
+    save_adapter(DraftAdapter(model, AdapterShape.for_model(model, 1)), config_file.parent / "draft.safetensors")
+    data = json.loads(config_file.read_text())
+    data[PROFILE_KEY]["cpu/float32"] = {"strategy": "kangaroo", "params": {"draft_adapter": "draft.safetensors"}}
+    config_file.write_text(json.dumps(data))
+    return config_file
+
+
+def test_push_config_carries_the_adapter_its_profile_names(fake_hub, adapter_config_file, tmp_path):
+    endpoint, requests = fake_hub
+    directory = adapter_config_file.parent
+    result = run_cli(
+        "push", "--config", adapter_config_file, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    assert _committed_files(requests[-1]["body"]) == {
+        name: (directory / name).read_bytes() for name in ("generation_config.json", "draft.safetensors", "draft.json")
+    }
+
+
+def test_push_folder_carries_the_packaged_adapter(fake_hub, adapter_config_file, tmp_path):
+    endpoint, requests = fake_hub
+    folder = package(adapter_config_file, tmp_path / "package").folder
+    result = run_cli("push", "--folder", folder, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    committed = _committed_files([r for r in requests if r["path"].endswith("/commit/main")][0]["body"])
+    assert committed["draft.safetensors"] == (adapter_config_file.parent / "draft.safetensors").read_bytes()
+    assert committed["draft.json"] == (adapter_config_file.parent / "draft.json").read_bytes()
+
+
+@pytest.mark.parametrize("how", ["--config", "--folder"])
+def test_push_refuses_a_profile_whose_adapter_is_missing(fake_hub, adapter_config_file, tmp_path, how):
+    endpoint, requests = fake_hub
+    folder = package(adapter_config_file, tmp_path / "package").folder
+    target = folder / "generation_config.json" if how == "--config" else folder
+    (folder / "draft.safetensors").unlink()
+    result = run_cli("push", how, target, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path))
+    assert result.returncode == 2
+    assert f"draft adapter file {folder / 'draft.safetensors'} is missing" in result.stderr
+    assert "Traceback" not in result.stderr and requests == []

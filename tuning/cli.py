@@ -93,6 +93,9 @@ def _export(args: argparse.Namespace) -> int:
         f"Wrote profile {result.key!r} ({result.profile.strategy}, {measured['speedup']:.2f}x, "
         f"acceptance {measured['acceptance_rate']:.0%}, trial {measured['trial']}) to {result.path}"
     )
+    adapter = result.profile.params["draft_adapter"]
+    if adapter:
+        print(f"Copied its draft adapter {adapter} (and its .json) beside it")
     print(f"It now holds profiles for: {', '.join(sorted(profiles))}")
     if args.custom_generate:
         from hf_selfspec.hub.package import package, summary

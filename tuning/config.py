@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from hf_selfspec.adapter import adapter_files, read_adapter, read_adapter_shape
 from hf_selfspec.loading import AUTO, EMBEDDED, parse_dtype
 from hf_selfspec.prompts import HUMANEVAL
+from hf_selfspec.strategies import resolve_strategy
 
 from . import TuningError
 from .space import KNOBS, STRATEGY_KNOBS
@@ -52,6 +54,9 @@ class SearchConfig:
     # Configured ranges by knob name; a knob of the strategy that is not listed uses its default.
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
     warm_start_skip_ratios: tuple[float, ...] = (0.25, 0.4, 0.5)
+    # Trained draft adapters to choose among, by name (the file's stem), each with its weights
+    # file; when set, every trial drafts with one of them instead of a skip set.
+    draft_adapters: dict[str, str] = field(default_factory=dict)
 
     def range_of(self, knob: str) -> tuple[float, float]:
         return self.ranges.get(knob, KNOBS[knob].default_range)
@@ -89,7 +94,7 @@ class StudyConfig:
 
 _SECTIONS = {"model": ModelConfig, "prompts": PromptConfig, "search": SearchConfig, "study": StudySettings}
 # `search` spells each knob's range as its own key; `ranges` is only the parsed form.
-_SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", *KNOBS}
+_SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", "draft_adapters", *KNOBS}
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
@@ -199,6 +204,35 @@ def _knob_range(reader: _Reader, name: str, value: Any) -> tuple[float, float]:
     return low, high
 
 
+def _draft_adapters(reader: _Reader, table: dict[str, Any], strategy: str) -> dict[str, str]:
+    """The listed adapters by name, each found and read as an adapter description now, so that
+    a typo stops the study before the model loads; whether one fits the model is checked once
+    it has (`check_adapters_fit`)."""
+    key = "search.draft_adapters"
+    listed = table.get("draft_adapters", [])
+    if not isinstance(listed, list) or not all(isinstance(name, str) and name for name in listed):
+        raise reader.error(key, f"must be a list of adapter files (relative to this config), got {listed!r}")
+    if resolve_strategy(strategy).needs_draft_adapter and not listed:
+        raise reader.error(
+            key,
+            f"strategy {strategy!r} drafts only with a trained adapter: list the adapters to choose among, "
+            "trained beforehand with `hf-selfspec train-adapter`",
+        )
+    adapters: dict[str, str] = {}
+    for name in listed:
+        # Named relative to the config, like a prompt file, so a study directory can be moved whole.
+        weights, _ = adapter_files(reader.path.parent / name)
+        try:
+            read_adapter_shape(weights)
+        except ValueError as error:
+            raise reader.error(key, f"{name!r}: {error}") from None
+        choice = weights.stem
+        if choice in adapters:
+            raise reader.error(key, f"two adapters are named {choice!r}; a trial tells them apart by name")
+        adapters[choice] = str(weights.resolve())
+    return adapters
+
+
 def _search(reader: _Reader) -> SearchConfig:
     table = reader.section("search", _SEARCH_KEYS)
     defaults = SearchConfig()
@@ -220,7 +254,12 @@ def _search(reader: _Reader) -> SearchConfig:
         raise reader.error(
             "search.warm_start_skip_ratios", f"must be a list of numbers between 0 and 1, got {ratios!r}"
         )
-    return SearchConfig(strategy=strategy, ranges=ranges, warm_start_skip_ratios=tuple(float(r) for r in ratios))
+    return SearchConfig(
+        strategy=strategy,
+        ranges=ranges,
+        warm_start_skip_ratios=tuple(float(r) for r in ratios),
+        draft_adapters=_draft_adapters(reader, table, strategy),
+    )
 
 
 def _study(reader: _Reader) -> StudySettings:
@@ -264,4 +303,23 @@ def load_study_config(path: str | Path) -> StudyConfig:
     for section in data:
         if section not in _SECTIONS:
             raise reader.error(section, f"unknown section; a study config has {', '.join(f'[{s}]' for s in _SECTIONS)}")
-    return StudyConfig(model=_model(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader))
+    config = StudyConfig(model=_model(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader))
+    if config.search.draft_adapters and config.study.objective == "estimated":
+        # The estimate replays layer-skip drafts; an adapter's draft runs its own block over
+        # shallow states, which its single masked pass does not model.
+        raise reader.error(
+            "study.objective",
+            'the estimated objective cannot price a draft adapter\'s draft; a study of search.draft_adapters '
+            'needs objective = "measured"',
+        )
+    return config
+
+
+def check_adapters_fit(search: SearchConfig, model) -> None:
+    """Fail before any trial runs if a listed adapter was trained for another model: a trial
+    would only fail, and the sampler would learn nothing from it."""
+    for name, weights in search.draft_adapters.items():
+        try:
+            read_adapter(model, weights)
+        except ValueError as error:
+            raise StudyConfigError(f"search.draft_adapters: {name!r} does not fit the model: {error}") from None

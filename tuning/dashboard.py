@@ -35,6 +35,20 @@ def _skips_in_words(attrs: dict[str, Any]) -> str:
     return "skips " + " and ".join(parts) if parts else "skips nothing (the draft is the full model)"
 
 
+def draft_figure(attrs: dict[str, Any]) -> tuple[str, str]:
+    """What a trial's draft was, as a label and a value for one line of a summary: the adapter it
+    chose, or the share of sub-layers it skipped."""
+    if "draft_adapter" in attrs:
+        return "draft adapter", attrs["draft_adapter"]
+    return "skip ratio", f"{attrs['skip_ratio']:.0%}"
+
+
+def _draft_in_words(attrs: dict[str, Any]) -> str:
+    if "draft_adapter" in attrs:
+        return f"is the model's first layers and the trained adapter {attrs['draft_adapter']}"
+    return f"{_skips_in_words(attrs)} ({attrs['skip_ratio']:.0%} of sub-layers)"
+
+
 def _knobs_in_words(params: dict[str, Any]) -> str:
     words = [f"drafts up to {params['max_draft_tokens']} tokens"]
     if "target_acceptance" in params:
@@ -55,7 +69,7 @@ def describe_trial(trial: optuna.trial.FrozenTrial) -> str:
     return (
         f"Trial {trial.number} decodes {trial.value:.2f}x as fast as plain greedy decoding "
         f"({attrs['tokens_per_second']:.1f} vs {attrs['baseline_tokens_per_second']:.1f} tokens/s). "
-        f"Its draft {_skips_in_words(attrs)} ({attrs['skip_ratio']:.0%} of sub-layers) and "
+        f"Its draft {_draft_in_words(attrs)} and "
         f"{_knobs_in_words(trial.params)}; {attrs['acceptance_rate']:.0%} of drafted tokens were accepted, "
         f"{attrs['mean_accepted_length']:.2f} per verification."
     )

@@ -274,7 +274,16 @@ def _committed_kv_mask(data: TeacherForcedPrompt, dtype: torch.dtype) -> torch.T
 @torch.no_grad()
 def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> tuple[list[int], list[float]]:
     """The draft's token and confidence after each committed continuation token: entry j is its
-    guess at continuation token j + 1, all read from one masked pass."""
+    guess at continuation token j + 1, all read from one masked pass.
+
+    Only a layer-skip draft reads the full model's KV this way; a draft adapter's block keeps a
+    cache of its own over shallow states, which this pass does not build, so it is refused
+    rather than priced as a skip set."""
+    if params.draft_adapter:
+        raise ValueError(
+            f"the estimate cannot replay the draft adapter {params.draft_adapter!r}; measure it "
+            '(objective = "measured")'
+        )
     length, cache = data.prompt_length, data.cache
     if data.kv_length == length:  # a one-token continuation leaves nothing to draft
         return [], []

@@ -2,8 +2,10 @@
 
 The file starts as the one already in DIR, or else the model's own generation config, and only
 this device's profile is added or replaced (in the format `hf_selfspec.profiles` defines), so
-one config file collects profiles measured on many machines. Nothing else in DIR is touched,
-which makes DIR safely a model directory.
+one config file collects profiles measured on many machines. A profile that drafts with a
+trained adapter gets the adapter's two files copied beside the config and names it by file name,
+so DIR is self-contained. Nothing else in DIR is touched, which makes DIR safely a model
+directory.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_selfspec.adapter import copy_adapter
 from hf_selfspec.loading import EMBEDDED
 from hf_selfspec.profiles import TunedProfile, read_config_json, write_profile
 
@@ -129,6 +132,25 @@ def export_profile(storage_url: str, study_name: str, output_dir: str | Path) ->
         write_profile(data, context.device_key, profile)  # validates the profiles already there
     except ValueError as error:
         raise ExportError(f"{path if path.is_file() else context.model}: {error}") from None
+    if profile.params["draft_adapter"]:
+        _copy_chosen_adapter(context, profile.params["draft_adapter"], output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, data)
     return ExportResult(path, context.device_key, profile)
+
+
+def _copy_chosen_adapter(context: StudyContext, file_name: str, output_dir: Path) -> None:
+    """Put the trial's adapter beside the config, from where the study's worker kept it; before
+    the config is written, so a missing adapter leaves DIR as it was."""
+    source = context.draft_adapters.get(Path(file_name).stem)
+    if source is None:
+        raise ExportError(
+            f"the best trial drafts with {file_name}, which the study does not record; "
+            f"it lists {', '.join(context.draft_adapters) or 'no adapters'}"
+        )
+    try:
+        copy_adapter(source, output_dir)
+    except ValueError as error:
+        raise ExportError(
+            f"the best trial drafts with {file_name}, but {error}; put it back, or export on the machine that tuned"
+        ) from None

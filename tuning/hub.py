@@ -1,5 +1,5 @@
 """Sharing tuned profiles on the Hub, as a pull request by default: the `generation_config.json`
-alone, or a folder written by `hf-selfspec package`.
+(with the draft adapters its profiles name), or a folder written by `hf-selfspec package`.
 
 A pull request is the default because a tuned profile changes how everyone's `generate` runs on
 that hardware; the repository's owners should get to look first. Local files are only read.
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_selfspec.adapter import adapter_files
 from hf_selfspec.hub.package import check_package_folder
-from hf_selfspec.profiles import read_profiles_file
+from hf_selfspec.profiles import profile_draft_adapters, read_profiles_file
 
 from . import TuningError
 from .export import CONFIG_NAME
@@ -38,18 +39,26 @@ def push_config(
     endpoint: str | None = None,
     token: str | None = None,
 ) -> str:
-    """Upload `config_path` as the repository's `generation_config.json`; returns the URL of the
-    pull request (or of the commit, with `create_pr=False`)."""
+    """Upload `config_path` as the repository's `generation_config.json`, with the draft adapters
+    its profiles name at those names, in one commit; returns the URL of the pull request (or of
+    the commit, with `create_pr=False`)."""
+    from huggingface_hub import CommitOperationAdd
+
     path = Path(config_path)
     if not path.is_file():
         raise PushError(f"{path}: no such file; write it with `hf-selfspec export`")
+    profiles, adapters = _profiles_to_push(path)
+    operations = [CommitOperationAdd(path_in_repo=CONFIG_NAME, path_or_fileobj=path.read_bytes())]
+    for name in adapters:
+        for file in adapter_files(name):
+            operations.append(CommitOperationAdd(path_in_repo=file.as_posix(), path_or_fileobj=path.parent / file))
     return _upload(
-        _profiles_to_push(path),
+        profiles,
         repo_id,
         create_pr,
         endpoint,
         token,
-        lambda api, **commit: api.upload_file(path_or_fileobj=path.read_bytes(), path_in_repo=CONFIG_NAME, **commit),
+        lambda api, **commit: api.create_commit(operations=operations, **commit),
     )
 
 
@@ -64,8 +73,9 @@ def push_folder(
     included) into the repository, in one commit; returns the pull request's (or commit's) URL."""
     folder = Path(folder)
     check_package_folder(folder, "--folder")
+    profiles, _ = _profiles_to_push(folder / CONFIG_NAME)  # the folder holds the adapters it names
     return _upload(
-        _profiles_to_push(folder / CONFIG_NAME),
+        profiles,
         repo_id,
         create_pr,
         endpoint,
@@ -88,13 +98,16 @@ def _folder_operations(folder: Path) -> list:
 
 
 def _profiles_to_push(path: Path):
+    """The config's profiles and the draft adapters they name, refusing a config whose profiles
+    would not load once pushed: malformed, or naming an adapter that is not beside it."""
     try:
         profiles = read_profiles_file(path)
+        adapters = profile_draft_adapters(profiles, path.parent)
     except (ValueError, OSError) as error:
         raise PushError(f"{path}: {error}") from None
     if not profiles:
         raise PushError(f"{path} holds no self-speculative profile; write one with `hf-selfspec export`")
-    return profiles
+    return profiles, adapters
 
 
 def _upload(profiles, repo_id: str, create_pr: bool, endpoint: str | None, token: str | None, send) -> str:

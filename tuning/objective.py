@@ -26,7 +26,7 @@ from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import PLAIN
 
 from .config import SearchConfig
-from .space import skip_ratio, suggest_params
+from .space import ADAPTER_PARAM, skip_ratio, suggest_params
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +107,12 @@ def begin_trial(trial: optuna.Trial, search: SearchConfig, num_layers: int, work
     returns them as `generate` keyword arguments."""
     params = suggest_params(trial, search, num_layers)
     trial.set_user_attr("worker", worker)
-    trial.set_user_attr("attn_skip_layers", params["attn_skip_layers"])
-    trial.set_user_attr("mlp_skip_layers", params["mlp_skip_layers"])
-    trial.set_user_attr("skip_ratio", skip_ratio(params, num_layers))
+    if ADAPTER_PARAM in trial.params:
+        trial.set_user_attr("draft_adapter", trial.params[ADAPTER_PARAM])
+    else:
+        trial.set_user_attr("attn_skip_layers", params["attn_skip_layers"])
+        trial.set_user_attr("mlp_skip_layers", params["mlp_skip_layers"])
+        trial.set_user_attr("skip_ratio", skip_ratio(params, num_layers))
     return params
 
 

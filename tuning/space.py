@@ -1,10 +1,11 @@
 """The search space: what one trial tries, and the trials every study starts with.
 
-A trial chooses, per decoder layer, whether the draft skips its attention (`skip_attn_{i}`) and
-its MLP (`skip_mlp_{i}`), plus the numeric knobs its strategy reads. Optuna parameters are named
-so that the dashboard's parameter plots read per layer; `decode_params` turns them into the
-`SelfSpecParams` names that `generate` and the tuned profiles use, so no other module needs to
-know how a trial is spelt.
+A trial chooses its draft, plus the numeric knobs its strategy reads. The draft is either a skip
+set, chosen per decoder layer (whether the draft skips its attention, `skip_attn_{i}`, and its
+MLP, `skip_mlp_{i}`), or, in a study that lists trained adapters, one of them (`draft_adapter`,
+by name). Optuna parameters are named so that the dashboard's parameter plots read per layer and
+per adapter; `decode_params` turns them into the `SelfSpecParams` names that `generate` and the
+tuned profiles use, so no other module needs to know how a trial is spelt.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .config import SearchConfig
 
 SUB_LAYERS = ("attn", "mlp")
+ADAPTER_PARAM = "draft_adapter"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ STRATEGY_KNOBS: dict[str, tuple[str, ...]] = {
     "self_speculative": _COMMON_KNOBS,
     "adaptive_draft_exit": _COMMON_KNOBS + ("target_acceptance", "threshold_step"),
     "target_confidence_gated": _COMMON_KNOBS + ("target_confidence_threshold",),
+    "kangaroo": _COMMON_KNOBS,
 }
 
 
@@ -92,10 +95,14 @@ def skip_param_name(sub_layer: str, layer: int) -> str:
 
 
 def suggest_params(trial: optuna.Trial, search: SearchConfig, num_layers: int) -> dict[str, Any]:
-    """Ask the sampler for one point of the space; returns `generate` keyword arguments."""
-    for layer in range(num_layers):
-        for sub_layer in SUB_LAYERS:
-            trial.suggest_categorical(skip_param_name(sub_layer, layer), [False, True])
+    """Ask the sampler for one point of the space; returns `generate` keyword arguments, with a
+    chosen adapter named by where this worker keeps it."""
+    if search.draft_adapters:
+        trial.suggest_categorical(ADAPTER_PARAM, list(search.draft_adapters))
+    else:
+        for layer in range(num_layers):
+            for sub_layer in SUB_LAYERS:
+                trial.suggest_categorical(skip_param_name(sub_layer, layer), [False, True])
     for name in STRATEGY_KNOBS[search.strategy]:
         knob = KNOBS[name]
         low, high = search.range_of(name)
@@ -103,22 +110,36 @@ def suggest_params(trial: optuna.Trial, search: SearchConfig, num_layers: int) -
             trial.suggest_int(name, int(low), int(high), log=knob.log)
         else:
             trial.suggest_float(name, float(low), float(high), log=knob.log)
-    return decode_params(trial.params, search.strategy, num_layers)
+    params = decode_params(trial.params, search.strategy, num_layers)
+    if search.draft_adapters:
+        params["draft_adapter"] = search.draft_adapters[trial.params[ADAPTER_PARAM]]
+    return params
+
+
+def adapter_file_name(adapter: str) -> str:
+    """How a profile names the adapter a trial chose: its weights file, beside the config."""
+    return f"{adapter}.safetensors"
 
 
 def decode_params(values: Mapping[str, Any], strategy: str, num_layers: int) -> dict[str, Any]:
-    """Every `SelfSpecParams` field, from a trial's Optuna parameters.
+    """Every `SelfSpecParams` field, from a trial's Optuna parameters, as a profile spells them.
 
     Knobs the strategy does not search keep their documented defaults, and all of them are
     passed and exported explicitly: a measurement then depends only on the trial, never on
-    whatever profile or setting the model's own generation config happens to carry.
+    whatever profile or setting the model's own generation config happens to carry. A chosen
+    adapter is named by its file name alone, which is where `export` puts it.
     """
-    skipped = {
-        sub_layer: tuple(layer for layer in range(num_layers) if values[skip_param_name(sub_layer, layer)])
-        for sub_layer in SUB_LAYERS
-    }
     knobs = {name: values[name] for name in STRATEGY_KNOBS[strategy]}
-    return SelfSpecParams(attn_skip_layers=skipped["attn"], mlp_skip_layers=skipped["mlp"], **knobs).as_dict()
+    if ADAPTER_PARAM in values:  # the adapter replaces the skip set as the draft
+        draft: dict[str, Any] = {"draft_adapter": adapter_file_name(values[ADAPTER_PARAM])}
+    else:
+        draft = {
+            f"{sub_layer}_skip_layers": tuple(
+                layer for layer in range(num_layers) if values[skip_param_name(sub_layer, layer)]
+            )
+            for sub_layer in SUB_LAYERS
+        }
+    return SelfSpecParams(**draft, **knobs).as_dict()
 
 
 def skip_ratio(params: Mapping[str, Any], num_layers: int) -> float:
@@ -139,18 +160,21 @@ def evenly_spread_layers(num_layers: int, ratio: float) -> tuple[int, ...]:
 
 
 def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, Any]]:
-    """Fixed first trials, in Optuna parameter names: the documented default skip set, evenly
-    spread skip sets at the configured ratios, and no skips at all (the draft is the full model,
-    so it shows what drafting alone costs). Numeric knobs start at their `SelfSpecParams`
-    defaults, moved into the configured range. Identical skip sets appear once."""
-    skip_sets = [default_skip_layers(num_layers)[0]]
-    skip_sets += [evenly_spread_layers(num_layers, ratio) for ratio in search.warm_start_skip_ratios]
-    skip_sets.append(())
+    """Fixed first trials, in Optuna parameter names. In a study of adapters: each adapter once.
+    Otherwise: the documented default skip set, evenly spread skip sets at the configured
+    ratios, and no skips at all (the draft is the full model, so it shows what drafting alone
+    costs); identical skip sets appear once. Numeric knobs start at their `SelfSpecParams`
+    defaults, moved into the configured range."""
     defaults = SelfSpecParams()
     knob_values = {}
     for name in STRATEGY_KNOBS[search.strategy]:
         low, high = search.range_of(name)
         knob_values[name] = min(max(getattr(defaults, name), low), high)
+    if search.draft_adapters:
+        return [{ADAPTER_PARAM: adapter, **knob_values} for adapter in search.draft_adapters]
+    skip_sets = [default_skip_layers(num_layers)[0]]
+    skip_sets += [evenly_spread_layers(num_layers, ratio) for ratio in search.warm_start_skip_ratios]
+    skip_sets.append(())
     trials = []
     for layers in dict.fromkeys(skip_sets):
         params = {

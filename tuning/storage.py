@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +154,13 @@ class StudyContext:
     max_new_tokens: int
     baseline_tokens_per_second: float
     versions: dict[str, str]
+    # The adapters a study chooses among, by name, with their weights file where the worker that
+    # saved the context keeps them: `export` copies the chosen one from there.
+    draft_adapters: dict[str, str] = field(default_factory=dict)
 
     # Fields that define the measurement; a resumed study must agree on every one of them. The
     # model's path is left out (workers on other machines keep it elsewhere); its depth is in.
+    # So are the adapters' paths; their names are in.
     IDENTITY = (
         "dtype",
         "device_key",
@@ -166,7 +170,12 @@ class StudyContext:
         "n_prompts",
         "prompt_offset",
         "max_new_tokens",
+        "draft_adapter_names",
     )
+
+    @property
+    def draft_adapter_names(self) -> list[str]:
+        return list(self.draft_adapters)
 
     def save(self, study: optuna.Study) -> None:
         for key, value in dataclasses.asdict(self).items():
@@ -175,12 +184,18 @@ class StudyContext:
     @classmethod
     def load(cls, study: optuna.Study) -> StudyContext:
         attrs = study.user_attrs
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in attrs]
+        # A field with a default was added later; studies tuned before it lack it and mean it.
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if name not in attrs]
         if missing:
             raise TuningError(
                 f"study {study.study_name!r} was not made by `hf-selfspec tune` (it lacks {', '.join(missing)})"
             )
-        return cls(**{f.name: attrs[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: attrs[f.name] for f in dataclasses.fields(cls) if f.name in attrs})
 
     def check_matches(self, study: optuna.Study) -> None:
         """Refuse to resume a study that measured something else under the same name."""

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from . import TuningError
-from .config import StudyConfig
-from .dashboard import best_trial, count_states, write_study_note
+from .config import StudyConfig, check_adapters_fit
+from .dashboard import best_trial, count_states, draft_figure, write_study_note
 from .estimate import EstimatedSpeedupObjective, calibrate, calibrate_loop, check_supported, teacher_force
 from .objective import LosslessViolation, SpeedupObjective, prepare_prompts
 from .space import warm_start_trials
@@ -111,7 +111,7 @@ class _Progress:
         if trial.state == TrialState.COMPLETE:
             return (
                 f"trial {trial.number}: {trial.value:.2f}x, acceptance {attrs['acceptance_rate']:.0%}, "
-                f"skip ratio {attrs['skip_ratio']:.0%}"
+                + " ".join(draft_figure(attrs))
             )
         if trial.state == TrialState.PRUNED:
             steps = trial.intermediate_values
@@ -190,7 +190,9 @@ def run_tune(
         max_new_tokens=config.prompts.max_new_tokens,
         baseline_tokens_per_second=0.0,
         versions=library_versions(),
+        draft_adapters=config.search.draft_adapters,
     )
+    check_adapters_fit(config.search, model)
 
     estimated = config.study.objective == "estimated"
     if estimated:
@@ -291,7 +293,7 @@ def _best_rows(label: str, best: optuna.trial.FrozenTrial | None) -> list[str]:
     return [
         f"{label:<18}{best.value:.2f}x  (trial {best.number}){verdict}",
         f"{'acceptance rate':<18}{best.user_attrs['acceptance_rate']:.0%}",
-        f"{'skip ratio':<18}{best.user_attrs['skip_ratio']:.0%}",
+        "{:<18}{}".format(*draft_figure(best.user_attrs)),
     ]
 
 

@@ -20,7 +20,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..profiles import PROFILE_KEY, TunedProfile, read_config_json, read_profiles, read_profiles_file
+from ..adapter import copy_adapter
+from ..profiles import (
+    PROFILE_KEY,
+    TunedProfile,
+    profile_draft_adapters,
+    read_config_json,
+    read_profiles,
+    read_profiles_file,
+)
 
 CORE_DIR = Path(__file__).resolve().parent.parent  # the flat modules `generate.py` imports from
 ENTRY_SOURCE = Path(__file__).with_name("generate_entry.py")
@@ -46,6 +54,7 @@ class PackageResult:
     folder: Path
     profiles: dict[str, TunedProfile]
     modules: list[str]  # the files of custom_generate/, generate.py first
+    adapters: list[str]  # the draft adapters copied beside the config, as its profiles name them
 
 
 def core_modules() -> list[str]:
@@ -89,7 +98,8 @@ def check_package_folder(folder: str | Path, option: str) -> None:
         )
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def _read_config(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The config's contents, and the draft adapters its profiles name (each found beside it)."""
     if not path.is_file():
         raise PackageError(f"--config {path}: no such file; write one with `hf-selfspec export`")
     try:
@@ -107,7 +117,11 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise PackageError(f"--config {path}: {error}") from None
     if not profiles:
         raise PackageError(f"--config {path} holds no {PROFILE_KEY} profile; write one with `hf-selfspec export`")
-    return data
+    try:
+        adapters = profile_draft_adapters(profiles, path.parent)
+    except ValueError as error:
+        raise PackageError(f"--config {path}: {error}") from None
+    return data, adapters
 
 
 def _bundled_profiles_source(profiles: dict[str, TunedProfile]) -> str:
@@ -190,11 +204,12 @@ def _write_card(path: Path, section: str) -> None:
 
 def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
     """Write `output_dir` (created if missing; it may be the model's own directory): the config,
-    `custom_generate/` (replaced whole) and our section of `README.md`; nothing else changes."""
+    the draft adapters its profiles name (at the same relative names), `custom_generate/`
+    (replaced whole) and our section of `README.md`; nothing else changes."""
     from transformers.utils import GENERATION_CONFIG_NAME
 
     config_path, output_dir = Path(config_path), Path(output_dir)
-    data = _read_config(config_path)
+    data, adapters = _read_config(config_path)
     if output_dir.exists() and not output_dir.is_dir():
         raise PackageError(f"--output {output_dir} is a file; give the directory to write the package into")
     modules = core_modules()
@@ -203,6 +218,8 @@ def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
         output_dir.mkdir(parents=True, exist_ok=True)
         config_file = output_dir / GENERATION_CONFIG_NAME
         config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for name in adapters:
+            copy_adapter(config_path.parent / name, (output_dir / name).parent)
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir()
         shutil.copyfile(ENTRY_SOURCE, target / f"{ENTRY_MODULE}.py")
@@ -215,13 +232,14 @@ def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
     except OSError as error:
         raise PackageError(f"--output {output_dir}: cannot write it ({error.strerror or error})") from None
     files = [f"{ENTRY_MODULE}.py", f"{BUNDLED_PROFILES_MODULE}.py", *(f"{name}.py" for name in modules)]
-    return PackageResult(output_dir, profiles, files)
+    return PackageResult(output_dir, profiles, files, adapters)
 
 
 def summary(result: PackageResult) -> str:
+    adapters = "".join(f"{name} (draft adapter), " for name in result.adapters)
     return (
         f"Wrote {result.folder}: generation_config.json (profiles for {', '.join(sorted(result.profiles))}), "
-        f"custom_generate/ ({len(result.modules)} Python files), README.md\n"
+        f"{adapters}custom_generate/ ({len(result.modules)} Python files), README.md\n"
         f'Use it with transformers alone: model.generate(**inputs, custom_generate="{result.folder}", '
         "trust_remote_code=True)"
     )
