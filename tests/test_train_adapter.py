@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from hf_selfspec.adapter import read_adapter
 from hf_selfspec.loading import load_model_and_tokenizer
 from tuning.config import StudyConfigError
-from tuning.train_adapter import load_train_config, run_train_adapter
+from tuning import train_adapter
+from tuning.train_adapter import CorpusConfig, corpus_chunks, humaneval_problems, load_train_config, run_train_adapter
 
 STEPS = 300
 
@@ -75,6 +76,8 @@ def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_ll
         ("[adapter]\nname = \"x{layer}\"\n", "placeholder"),
         ("[optimizer]\n", "unknown section"),
         ("[training]\nlr = -1.0\n", "positive"),
+        ("[corpus]\nstdlib_prompts = 5\n", "needs generated_tokens"),
+        ("[corpus]\ngenerated_tokens = -2\n", "positive"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, change, message):
@@ -97,3 +100,37 @@ def test_help_names_the_corpus_and_the_outputs():
                             capture_output=True, text=True)
     assert result.returncode == 0
     assert "standard library" in result.stdout and "safetensors" in result.stdout
+
+
+GENERATING = CorpusConfig(stdlib_tokens=0, humaneval_from=160, generated_tokens=6, stdlib_prompts=2, prompt_tokens=12, chunk_tokens=8)
+
+
+def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prompt(tiny_llama_dir, tmp_path):
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path)
+    texts = torch.load(tmp_path / "generated.pt")
+    problems = humaneval_problems(160)
+    assert len(texts) == len(problems) + GENERATING.stdlib_prompts
+    for problem, text in zip(problems, texts):
+        prompt = tokenizer(problem["prompt"], return_tensors="pt")
+        alone = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0].tolist()
+        if tokenizer.eos_token_id in alone[prompt["input_ids"].shape[1] :]:
+            alone = alone[: alone.index(tokenizer.eos_token_id, prompt["input_ids"].shape[1])]
+        assert text == alone  # the model's continuation, not the canonical solution
+    stdlib_window = texts[len(problems)]
+    assert len(stdlib_window) > GENERATING.prompt_tokens
+    stream = [i for text in texts for i in text + [tokenizer.eos_token_id]]
+    assert chunks.flatten().tolist() == stream[: len(stream) // 8 * 8]
+
+
+def test_generation_resumes_from_the_batches_it_finished(tiny_llama_dir, tmp_path, monkeypatch):
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    monkeypatch.setattr(train_adapter, "_GENERATION_BATCH", 2)
+    first = corpus_chunks(tokenizer, GENERATING, model, tmp_path)
+    finished = torch.load(tmp_path / "generated.pt")
+    torch.save(finished[:2], tmp_path / "generated.pt")  # as if killed after the first batch
+    calls = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: calls.append(kwargs["input_ids"].shape[0]) or generate(**kwargs))
+    assert torch.equal(corpus_chunks(tokenizer, GENERATING, model, tmp_path), first)
+    assert calls == [2, 2]  # the four prompts left, and nothing already generated

