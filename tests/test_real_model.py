@@ -3,11 +3,14 @@ in float32, consistent (identical or a near-tie, `hf_selfspec.consistency`) in b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import hf_selfspec
 from hf_selfspec.consistency import check_greedy_consistency
+from hf_selfspec.embedded import TUNED_CONFIG
 from hf_selfspec.loading import has_native_bfloat16
 from hf_selfspec.prompts import encode_prompt, load_prompts
 
@@ -24,6 +27,9 @@ STRATEGY_KWARGS = {
     "prompt_lookup": {"strategy": "target_confidence_gated", "prompt_lookup_tokens": 8},
     "long_lookup_only": {"strategy": "target_confidence_gated", "prompt_lookup_tokens": 16,
                          "prompt_lookup_min_ngram": 1, "target_confidence_threshold": 1.0, "max_draft_tokens": 16},
+    # The trained adapter that ships beside the tuned profiles (docs/kangaroo.md).
+    "kangaroo_shipped_adapter": {"strategy": "kangaroo", "max_draft_tokens": 4, "draft_exit_threshold": 0.3,
+                                 "draft_adapter": str(Path(str(TUNED_CONFIG)).parent / "kangaroo-exit4.safetensors")},
 }
 
 
@@ -65,7 +71,6 @@ def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, case):
 
 def test_shipped_profile_is_applied_by_default_and_consistent(smollm2):
     """`load_embedded()` applies the profile tuned for this device and dtype, and it stays lossless."""
-    from hf_selfspec.embedded import TUNED_CONFIG
     from hf_selfspec.profiles import device_profile_key, read_profiles
 
     reference_model, cases = smollm2
