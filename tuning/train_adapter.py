@@ -239,13 +239,14 @@ def corpus_chunks(tokenizer, corpus: CorpusConfig, model=None, cache_dir: Path |
     HumanEval problems (their canonical solutions, or with `generated_tokens` the model's own
     continuations of their prompts), then the model's continuations of standard-library windows;
     each text ended by EOS, concatenated and cut. Generation needs `model` and `cache_dir`."""
-    ids = _stdlib_token_ids(tokenizer, corpus.stdlib_tokens) if corpus.stdlib_tokens else []
+    # One pass over the standard library: the teacher-forced text, then (when generating) the
+    # windows to continue, from beyond it so the two parts do not repeat each other.
+    window_tokens = corpus.stdlib_prompts * corpus.prompt_tokens if corpus.generated_tokens else 0
+    stream = _stdlib_token_ids(tokenizer, corpus.stdlib_tokens + window_tokens)
+    ids, windows = stream[: corpus.stdlib_tokens], stream[corpus.stdlib_tokens :]
     problems = humaneval_problems(corpus.humaneval_from) if corpus.humaneval_from is not None else []
     if corpus.generated_tokens:
         prompts = [tokenizer(problem["prompt"])["input_ids"] for problem in problems]
-        # Windows from beyond the teacher-forced text, so the two parts do not repeat each other.
-        stream = _stdlib_token_ids(tokenizer, corpus.stdlib_tokens + corpus.stdlib_prompts * corpus.prompt_tokens)
-        windows = stream[corpus.stdlib_tokens :]
         prompts += [windows[i : i + corpus.prompt_tokens] for i in range(0, len(windows) - corpus.prompt_tokens + 1, corpus.prompt_tokens)]
         texts = generated_texts(model, tokenizer, prompts, corpus, cache_dir / "generated.pt", show_progress)
     else:
