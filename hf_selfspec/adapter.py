@@ -13,6 +13,9 @@ On disk an adapter is `<name>.safetensors` (the block's and the norm's weights) 
 from __future__ import annotations
 
 import copy
+import filecmp
+import functools
+import hashlib
 import inspect
 import json
 import shutil
@@ -171,13 +174,34 @@ def existing_adapter_files(path: str | Path) -> tuple[Path, Path]:
     return files
 
 
+class AdapterConflictError(ValueError):
+    """Another adapter of the same file name is already where one is to be copied."""
+
+
+def check_adapter_copy(source: str | Path, directory: str | Path) -> tuple[Path, Path]:
+    """The source's two files, once it is sure that copying them into `directory` replaces
+    nothing but identical copies. Profiles name their adapter by file name, so a different file
+    of that name may be what another profile of the config there drafts with: overwriting it
+    would change that profile's draft silently."""
+    sources = existing_adapter_files(source)
+    for file in sources:
+        target = Path(directory) / file.name
+        if target.exists() and not target.samefile(file) and not filecmp.cmp(file, target, shallow=False):
+            raise AdapterConflictError(
+                f"{target} already exists and differs from {file}; a profile there may draft with it, so it is "
+                "not overwritten: give the new adapter another name (profiles name adapters by file name), or "
+                "write into another directory"
+            )
+    return sources
+
+
 def copy_adapter(source: str | Path, directory: str | Path) -> Path:
     """Copy an adapter's two files into `directory`, so that a profile in the
     `generation_config.json` there can name it by file name alone and the folder travels whole;
     returns the copied weights file. Each file lands through a temporary one renamed into place,
-    and nothing is copied unless both exist."""
+    and nothing is copied unless both exist and neither would replace a different file."""
     directory = Path(directory)
-    sources = existing_adapter_files(source)
+    sources = check_adapter_copy(source, directory)
     directory.mkdir(parents=True, exist_ok=True)
     for file in sources:
         target = directory / file.name
@@ -187,6 +211,17 @@ def copy_adapter(source: str | Path, directory: str | Path) -> Path:
         shutil.copyfile(file, staging)
         staging.replace(target)
     return directory / sources[0].name
+
+
+def adapter_digest(path: str | Path) -> str:
+    """A short SHA-256 of the adapter's weights: a retrained adapter keeps its file name, and a
+    study's measurements, or an export of them, must not be credited to different weights."""
+    weights, _ = existing_adapter_files(path)
+    digest = hashlib.sha256()
+    with weights.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def read_adapter_shape(path: str | Path) -> AdapterShape:
@@ -231,6 +266,8 @@ _loaded: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionar
 
 
 def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
+    if str(path).startswith(HUB_ADDRESS_PREFIX):
+        path = fetch_hub_adapter(str(path))
     weights_path, _ = adapter_files(path)
     stamp = (str(weights_path.resolve()), weights_path.stat().st_mtime_ns if weights_path.is_file() else None,
              model.dtype, model.device)
@@ -241,18 +278,57 @@ def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
     return per_model[stamp]
 
 
+# `hf://{repo_id}@{revision}/{file in the repository}`: where a profile's adapter is when its model
+# was loaded by Hub id. Repository ids hold no "@" and the revision here is always "main" (a
+# transformers 5 model does not record the revision it was loaded from), so the address splits
+# unambiguously.
+HUB_ADDRESS_PREFIX = "hf://"
+
+
+def hub_adapter_address(repo_id: str, name: str) -> str:
+    return f"{HUB_ADDRESS_PREFIX}{repo_id}@main/{Path(name).as_posix()}"
+
+
+@functools.lru_cache(maxsize=None)
+def fetch_hub_adapter(address: str) -> Path:
+    """The local copy of an adapter in a Hub repository, downloaded on first use. transformers
+    fetches only the files a model needs, so an adapter beside a Hub model's config is not on
+    disk until a profile drafts with it. Asked once a process: each `generate` call would
+    otherwise check the Hub again."""
+    from transformers.utils.hub import cached_files
+
+    repo_id, _, rest = address[len(HUB_ADDRESS_PREFIX) :].partition("@")
+    revision, _, name = rest.partition("/")
+    try:
+        weights, _ = cached_files(repo_id, [str(p) for p in adapter_files(name)], revision=revision)
+    except OSError as error:  # transformers' errors for a missing repository, file or connection
+        raise ValueError(f"draft adapter {name} of {repo_id} (revision {revision}) cannot be fetched: {error}") from None
+    return Path(weights)
+
+
 def anchor_draft_adapter(model: nn.Module, values: Mapping[str, Any]) -> dict[str, Any]:
     """Profile or generation-config values with a relative `draft_adapter` made absolute.
 
     A profile names its adapter relative to the `generation_config.json` it came from (recorded
     by the loaders as `model.selfspec_config_dir`), or else to the model's own directory, so the
-    two travel together; a name passed to `generate()` itself is relative to the working
-    directory, like any path a program is given.
+    two travel together; for a model loaded by Hub id that directory is its repository, and the
+    name becomes an address there, fetched only if a draft uses it. A name passed to
+    `generate()` itself is relative to the working directory, like any path a program is given.
     """
     name = values.get("draft_adapter")
-    if not isinstance(name, str) or not name or Path(name).is_absolute():
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or name.startswith(HUB_ADDRESS_PREFIX):
         return dict(values)
     base = getattr(model, "selfspec_config_dir", None)
-    if base is None and Path(str(getattr(model, "name_or_path", "") or "")).is_dir():
-        base = model.name_or_path
+    source = str(getattr(model, "name_or_path", "") or "")
+    if base is None and _is_hub_id(source):
+        return {**values, "draft_adapter": hub_adapter_address(source, name)}
+    if base is None and Path(source).is_dir():
+        base = source
     return {**values, "draft_adapter": str(Path(base) / name) if base is not None else name}
+
+
+def _is_hub_id(name_or_path: str) -> bool:
+    """`org/name` or a bare legacy name, not a directory on this machine."""
+    path = Path(name_or_path)
+    local = path.is_dir() or path.is_absolute() or name_or_path.startswith(".")
+    return bool(name_or_path) and not local and name_or_path.count("/") <= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -17,7 +18,9 @@ from hf_selfspec.adapter import read_adapter
 from hf_selfspec.loading import load_model_and_tokenizer
 from tuning.config import StudyConfigError
 from tuning import train_adapter
-from tuning.train_adapter import CorpusConfig, corpus_chunks, humaneval_problems, load_train_config, run_train_adapter
+from tuning.train_adapter import (
+    CorpusConfig, corpus_chunks, humaneval_problems, load_train_config, run_train_adapter, stdlib_function_prompts,
+)
 
 STEPS = 300
 
@@ -77,6 +80,7 @@ def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_ll
         ("[optimizer]\n", "unknown section"),
         ("[training]\nlr = -1.0\n", "positive"),
         ("[corpus]\nstdlib_prompts = 5\n", "needs generated_tokens"),
+        ("[corpus]\nstdlib_functions = 5\n", "needs generated_tokens"),
         ("[corpus]\ngenerated_tokens = -2\n", "positive"),
     ],
 )
@@ -102,7 +106,17 @@ def test_help_names_the_corpus_and_the_outputs():
     assert "standard library" in result.stdout and "safetensors" in result.stdout
 
 
-GENERATING = CorpusConfig(stdlib_tokens=0, humaneval_from=160, generated_tokens=6, stdlib_prompts=2, prompt_tokens=12, chunk_tokens=8)
+GENERATING = CorpusConfig(stdlib_tokens=0, humaneval_from=160, generated_tokens=6, stdlib_prompts=2, prompt_tokens=12,
+                          stdlib_functions=2, chunk_tokens=8)
+
+
+def test_stdlib_function_prompts_are_a_signature_and_a_docstring_asking_for_a_body():
+    prompts = stdlib_function_prompts(30)
+    assert len(prompts) == 30 and len(set(prompts)) > 25
+    for prompt in prompts:
+        (function,) = ast.parse(prompt).body  # dedented: parses at the top level
+        assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        assert len(function.body) == 1 and ast.get_docstring(function) is not None  # no body yet
 
 
 def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prompt(tiny_llama_dir, tmp_path):
@@ -110,7 +124,7 @@ def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prom
     chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path)
     texts = torch.load(tmp_path / "generated.pt")
     problems = humaneval_problems(160)
-    assert len(texts) == len(problems) + GENERATING.stdlib_prompts
+    assert len(texts) == len(problems) + GENERATING.stdlib_prompts + GENERATING.stdlib_functions
     for problem, text in zip(problems, texts):
         prompt = tokenizer(problem["prompt"], return_tensors="pt")
         alone = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0].tolist()
@@ -119,6 +133,9 @@ def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prom
         assert text == alone  # the model's continuation, not the canonical solution
     stdlib_window = texts[len(problems)]
     assert len(stdlib_window) > GENERATING.prompt_tokens
+    for function, text in zip(stdlib_function_prompts(2), texts[-2:]):
+        prompt = tokenizer(function)["input_ids"]
+        assert text[: len(prompt)] == prompt and len(text) > len(prompt)
     stream = [i for text in texts for i in text + [tokenizer.eos_token_id]]
     assert chunks.flatten().tolist() == stream[: len(stream) // 8 * 8]
 
@@ -133,4 +150,4 @@ def test_generation_resumes_from_the_batches_it_finished(tiny_llama_dir, tmp_pat
     generate = model.generate
     monkeypatch.setattr(model, "generate", lambda **kwargs: calls.append(kwargs["input_ids"].shape[0]) or generate(**kwargs))
     assert torch.equal(corpus_chunks(tokenizer, GENERATING, model, tmp_path), first)
-    assert calls == [2, 2]  # the four prompts left, and nothing already generated
+    assert calls == [2, 2, 2]  # the six prompts left, and nothing already generated

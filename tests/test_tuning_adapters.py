@@ -20,6 +20,7 @@ from hf_selfspec.cli import main
 from hf_selfspec.hub.package import PackageError, package
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import PROFILE_KEY
+from hf_selfspec.tuning import TuningError
 from hf_selfspec.tuning.config import StudyConfigError, load_study_config
 from hf_selfspec.tuning.export import ExportError, export_profile
 from hf_selfspec.tuning.space import ADAPTER_PARAM, decode_params, suggest_params, warm_start_trials
@@ -178,6 +179,50 @@ def test_package_refuses_a_config_whose_adapter_is_missing(tuned, tmp_path):
     with pytest.raises(PackageError, match=r"drafts with 'adapter-\d-1.safetensors', but draft adapter file .*\.json is missing"):
         package(result.path, tmp_path / "package")
     assert not (tmp_path / "package").exists()
+
+
+def test_export_and_package_never_replace_a_different_adapter_of_the_same_name(tuned, tmp_path):
+    """A profile already in DIR may draft with the file that an export would overwrite."""
+    best = tuned.outcome.best.params[ADAPTER_PARAM]
+    output = tmp_path / "exported"
+    export_profile(tuned.storage, tuned.outcome.study.study_name, output)
+    weights, _ = adapter_files(output / best)
+    export_profile(tuned.storage, tuned.outcome.study.study_name, output)  # the same file again is fine
+    config_before = (output / "generation_config.json").read_bytes()
+    different = weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1])
+    weights.write_bytes(different)
+    with pytest.raises(ExportError, match=f"{weights} already exists and differs from .*not overwritten"):
+        export_profile(tuned.storage, tuned.outcome.study.study_name, output)
+    assert weights.read_bytes() == different and (output / "generation_config.json").read_bytes() == config_before
+
+    package_dir = tmp_path / "package"
+    package_dir.mkdir()
+    (package_dir / weights.name).write_bytes(b"another adapter")
+    clean = export_profile(tuned.storage, tuned.outcome.study.study_name, tmp_path / "clean").path
+    with pytest.raises(PackageError, match=f"{package_dir / weights.name} already exists and differs"):
+        package(clean, package_dir)
+    assert sorted(p.name for p in package_dir.iterdir()) == [weights.name]  # nothing written
+
+
+def test_a_retrained_adapter_is_neither_resumed_into_the_study_nor_exported_as_measured(tuned, tiny_llama_dir, tmp_path):
+    """Retraining keeps an adapter's file name: the study tells the weights apart by digest."""
+    best = tuned.outcome.best.params[ADAPTER_PARAM]
+    weights, _ = adapter_files(tuned.directory / "adapters" / best)
+    measured = weights.read_bytes()
+    weights.write_bytes(measured[:-1] + bytes([measured[-1] ^ 1]))  # one weight's lowest bits
+    try:
+        config = load_study_config(
+            _adapter_study_config(tuned.directory, tiny_llama_dir, ["adapters/adapter-1-1", "adapters/adapter-2-1"])
+        )
+        with pytest.raises(TuningError, match="tuned with other weights under the adapter names adapter-1-1, adapter-2-1"):
+            run_tune(config, n_trials=1, show_progress=False)
+        assert len(tuned.outcome.study.get_trials()) == N_TRIALS
+        with pytest.raises(ExportError, match=f"drafts with {best}.safetensors, but {weights} now holds other weights"):
+            export_profile(tuned.storage, tuned.outcome.study.study_name, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+    finally:
+        weights.write_bytes(measured)
+    assert export_profile(tuned.storage, tuned.outcome.study.study_name, tmp_path / "out").path.is_file()
 
 
 def test_an_adapter_for_another_model_stops_the_study_before_any_trial(adapters, tiny_llama_dir, tmp_path):

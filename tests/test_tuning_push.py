@@ -230,6 +230,48 @@ def test_push_folder_carries_the_packaged_adapter(fake_hub, adapter_config_file,
     assert committed["draft.json"] == (adapter_config_file.parent / "draft.json").read_bytes()
 
 
+def test_a_pushed_package_lends_its_adapter_to_a_model_whose_folder_lacks_it(fake_hub, tmp_path):
+    """The package named by Hub id as `custom_generate=` for a model saved elsewhere, decoded
+    offline through transformers alone from a Hub cache holding exactly what was committed: the
+    uploaded bundled profiles fetch the adapter from the package's repository."""
+    from test_kangaroo import _random_adapter
+    from test_zero_install import run_isolated
+    from tiny_models import tiny_transformers_model
+
+    endpoint, requests = fake_hub
+    model = tiny_transformers_model("llama", initializer_range=0.3)
+    model.generation_config.eos_token_id = None  # every prompt decodes in full
+    model.save_pretrained(tmp_path / "model")
+    exported = tmp_path / "exported"
+    _random_adapter(model, 1, exported)
+    profile = {"strategy": "kangaroo", "measured": {"speedup": 1.1, "study": "tiny"},
+               "params": {"draft_adapter": "adapter-1-1.safetensors", "max_draft_tokens": 4,
+                          "draft_exit_threshold": 0.0, "backoff_probe_interval": 0}}
+    (exported / "generation_config.json").write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
+    folder = package(exported / "generation_config.json", tmp_path / "package").folder
+    local_bundled = (folder / "custom_generate" / "bundled_profiles.py").read_bytes()
+
+    result = run_cli("push", "--folder", folder, "--repo", REPO, "--endpoint", endpoint, env=_online_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    committed = _committed_files([r for r in requests if r["path"].endswith("/commit/main")][0]["body"])
+    bundled = committed["custom_generate/bundled_profiles.py"].decode()
+    assert f"'hf://{REPO}@main/adapter-1-1.safetensors'" in bundled
+    assert (folder / "custom_generate" / "bundled_profiles.py").read_bytes() == local_bundled  # left as it was
+
+    commit = "b" * 40
+    repo_cache = tmp_path / "hf-home" / "hub" / f"models--{REPO.replace('/', '--')}"
+    for path, content in committed.items():
+        (repo_cache / "snapshots" / commit / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo_cache / "snapshots" / commit / path).write_bytes(content)
+    (repo_cache / "refs").mkdir()
+    (repo_cache / "refs" / "main").write_text(commit)
+    facts = run_isolated(tmp_path, package=REPO, model=str(tmp_path / "model"), model_repo=None,
+                         prompts=[[5, 17, 42, 8, 9], [60, 1, 33]], max_new_tokens=24, check_other_dtype=False)
+    assert facts["hf_selfspec_importable"] is False
+    assert facts["custom_generate"]["identical"] == [True, True]
+    assert all(drafted and drafted > 0 for drafted in facts["custom_generate"]["drafted"]), facts
+
+
 @pytest.mark.parametrize("how", ["--config", "--folder"])
 def test_push_refuses_a_profile_whose_adapter_is_missing(fake_hub, adapter_config_file, tmp_path, how):
     endpoint, requests = fake_hub

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_kangaroo import _random_adapter
 from tiny_models import tiny_transformers_model
 
 from hf_selfspec.hub.package import package
@@ -94,6 +95,49 @@ def test_tiny_model_drafts_and_matches_greedy_without_hf_selfspec(tiny_model_dir
     assert other["drafted"] == [None] * 4, "no cpu/bfloat16 profile: plain decoding, no strategy_stats"
     assert other["identical"] == [True] * 4
     assert len(other["warnings"]) == 1 and "cpu/bfloat16" in other["warnings"][0]
+
+
+def test_a_hub_model_repo_fetches_the_adapter_its_kangaroo_profile_names(tiny_model_dir, tmp_path):
+    """A model loaded by Hub id: transformers downloads only the model's own files, so the adapter
+    beside its config is fetched from the repository (here an offline Hub cache laid out as
+    huggingface_hub writes it)."""
+    from transformers import AutoModelForCausalLM
+
+    exported = tmp_path / "exported"
+    adapter = _random_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1, exported)
+    profile = {
+        "strategy": "kangaroo",
+        "params": {"draft_adapter": Path(adapter).name, "max_draft_tokens": 4, "draft_exit_threshold": 0.0,
+                   "backoff_probe_interval": 0},
+        "measured": {"speedup": 1.1, "acceptance_rate": 0.5, "study": "tiny"},
+    }
+    (exported / "generation_config.json").write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
+    package_dir = package(exported / "generation_config.json", tmp_path / "package").folder
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_cache = tmp_path / "hf-home" / "hub" / "models--hf-selfspec-test--tiny-kangaroo"
+    (repo_cache / "snapshots").mkdir(parents=True)
+    with_package(tiny_model_dir, package_dir, repo_cache / "snapshots" / commit)
+    (repo_cache / "refs").mkdir()
+    (repo_cache / "refs" / "main").write_text(commit)
+
+    facts = run_isolated(
+        tmp_path,
+        package=None,
+        model=str(tiny_model_dir),
+        model_repo="hf-selfspec-test/tiny-kangaroo",
+        prompts=[[5, 17, 42, 8, 9], [60, 1, 33]],
+        max_new_tokens=24,
+        check_other_dtype=False,
+    )
+    assert facts["hf_selfspec_importable"] is False
+    assert facts["model_repo"]["identical"] == [True, True]
+    assert all(drafted and drafted > 0 for drafted in facts["model_repo"]["drafted"]), facts["model_repo"]
+
+    (repo_cache / "snapshots" / commit / Path(adapter).name).unlink()
+    with pytest.raises(AssertionError, match="draft adapter adapter-1-1.safetensors of hf-selfspec-test/tiny-kangaroo "
+                       "\\(revision main\\) cannot be fetched"):
+        run_isolated(tmp_path, package=None, model=str(tiny_model_dir), model_repo="hf-selfspec-test/tiny-kangaroo",
+                     prompts=[[5, 17]], max_new_tokens=4, check_other_dtype=False)
 
 
 @pytest.mark.real_model

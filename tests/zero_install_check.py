@@ -5,8 +5,9 @@ the site hooks that install hf_selfspec's editable finder, the spec's `site_pack
 torch and transformers back, and an import blocker refuses hf_selfspec should a regular install
 sit there too. Prints one JSON object of facts for the test to assert on.
 
-The spec: `package` (a folder written by `hf-selfspec package`), `model` (a model directory
-without custom_generate/), `model_repo` (the same model with the package in it, or null),
+The spec: `package` (a folder written by `hf-selfspec package`, or null), `model` (a model
+directory without custom_generate/), `model_repo` (the same model with the package in it, as a
+directory or a Hub id found in the offline cache, or null),
 `prompts` (lists of token ids), `max_new_tokens`, and `check_other_dtype` (also decode in
 bfloat16, for which the package has no profile).
 """
@@ -87,9 +88,10 @@ def main(spec_path: str) -> None:
 
     prompts, new_tokens, package = spec["prompts"], spec["max_new_tokens"], spec["package"]
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
-    facts["custom_generate"] = _compare(
-        model, model.generate, prompts, new_tokens, custom_generate=package, trust_remote_code=True
-    )
+    if package:
+        facts["custom_generate"] = _compare(
+            model, model.generate, prompts, new_tokens, custom_generate=package, trust_remote_code=True
+        )
     if spec["model_repo"]:
         repo_model = AutoModelForCausalLM.from_pretrained(
             spec["model_repo"], dtype=torch.float32, trust_remote_code=True

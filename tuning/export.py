@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_selfspec.adapter import copy_adapter
+from hf_selfspec.adapter import AdapterConflictError, adapter_digest, copy_adapter
 from hf_selfspec.loading import EMBEDDED
 from hf_selfspec.profiles import TunedProfile, read_config_json, write_profile
 
@@ -148,8 +148,16 @@ def _copy_chosen_adapter(context: StudyContext, file_name: str, output_dir: Path
             f"the best trial drafts with {file_name}, which the study does not record; "
             f"it lists {', '.join(context.draft_adapters) or 'no adapters'}"
         )
+    measured = context.draft_adapter_digests.get(Path(file_name).stem)
     try:
+        if measured is not None and adapter_digest(source) != measured:
+            raise ExportError(
+                f"the best trial drafts with {file_name}, but {source} now holds other weights than the study "
+                "measured (retrained since?); tune a new study with it, or put the measured file back"
+            )
         copy_adapter(source, output_dir)
+    except AdapterConflictError as error:
+        raise ExportError(f"the best trial drafts with {file_name}, but {error}") from None
     except ValueError as error:
         raise ExportError(
             f"the best trial drafts with {file_name}, but {error}; put it back, or export on the machine that tuned"

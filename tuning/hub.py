@@ -10,7 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from hf_selfspec.adapter import adapter_files
-from hf_selfspec.hub.package import check_package_folder
+from hf_selfspec.hub.package import (
+    BUNDLED_PROFILES_MODULE,
+    CUSTOM_GENERATE_DIR,
+    bundled_profiles_for_repository,
+    check_package_folder,
+)
 from hf_selfspec.profiles import profile_draft_adapters, read_profiles_file
 
 from . import TuningError
@@ -70,31 +75,41 @@ def push_folder(
     token: str | None = None,
 ) -> str:
     """Upload a folder written by `hf-selfspec package` (a model directory it was written into
-    included) into the repository, in one commit; returns the pull request's (or commit's) URL."""
+    included) into the repository, in one commit; returns the pull request's (or commit's) URL.
+    Where a profile drafts with an adapter, the uploaded bundled profiles name it by its address
+    in that repository (the folder itself is left as it is)."""
     folder = Path(folder)
     check_package_folder(folder, "--folder")
-    profiles, _ = _profiles_to_push(folder / CONFIG_NAME)  # the folder holds the adapters it names
+    profiles, adapters = _profiles_to_push(folder / CONFIG_NAME)  # the folder holds the adapters it names
+    operations = _folder_operations(folder, repo_id if adapters else None)
     return _upload(
         profiles,
         repo_id,
         create_pr,
         endpoint,
         token,
-        lambda api, **commit: api.create_commit(operations=_folder_operations(folder), **commit),
+        lambda api, **commit: api.create_commit(operations=operations, **commit),
     )
 
 
-def _folder_operations(folder: Path) -> list:
+def _folder_operations(folder: Path, adapter_repo: str | None) -> list:
     """One addition per file, as a single commit (`upload_folder` may split a large folder into
-    several); hidden folders such as .git and Python caches stay behind."""
+    several); hidden folders such as .git and Python caches stay behind. With `adapter_repo`,
+    the bundled profiles are rewritten to fetch their adapters from it."""
     from huggingface_hub import CommitOperationAdd
 
-    return [
-        CommitOperationAdd(path_in_repo=path.relative_to(folder).as_posix(), path_or_fileobj=path)
-        for path in sorted(folder.rglob("*"))
-        if path.is_file()
-        and not any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(folder).parts)
-    ]
+    bundled = f"{CUSTOM_GENERATE_DIR}/{BUNDLED_PROFILES_MODULE}.py"
+    operations = []
+    for path in sorted(folder.rglob("*")):
+        in_repo = path.relative_to(folder).as_posix()
+        if not path.is_file() or any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(folder).parts):
+            continue
+        if in_repo == bundled and adapter_repo is not None:
+            source = bundled_profiles_for_repository(folder, adapter_repo).encode()
+            operations.append(CommitOperationAdd(path_in_repo=in_repo, path_or_fileobj=source))
+        else:
+            operations.append(CommitOperationAdd(path_in_repo=in_repo, path_or_fileobj=path))
+    return operations
 
 
 def _profiles_to_push(path: Path):

@@ -157,6 +157,9 @@ class StudyContext:
     # The adapters a study chooses among, by name, with their weights file where the worker that
     # saved the context keeps them: `export` copies the chosen one from there.
     draft_adapters: dict[str, str] = field(default_factory=dict)
+    # Each adapter's `adapter_digest`: retraining keeps the name, so only this tells trials of
+    # the old weights from those of the new.
+    draft_adapter_digests: dict[str, str] = field(default_factory=dict)
 
     # Fields that define the measurement; a resumed study must agree on every one of them. The
     # model's path is left out (workers on other machines keep it elsewhere); its depth is in.
@@ -171,6 +174,7 @@ class StudyContext:
         "prompt_offset",
         "max_new_tokens",
         "draft_adapter_names",
+        "draft_adapter_digests",
     )
 
     @property
@@ -204,6 +208,11 @@ class StudyContext:
         stored = StudyContext.load(study)
         for key in self.IDENTITY:
             if getattr(stored, key) != getattr(self, key):
+                if key == "draft_adapter_digests":
+                    raise TuningError(
+                        f"study {study.study_name!r} was tuned with other weights under the adapter names "
+                        f"{', '.join(self.draft_adapter_names)} (retrained since?); pick another [study] name or storage"
+                    )
                 raise TuningError(
                     f"study {study.study_name!r} was tuned with {key}={getattr(stored, key)!r}, not "
                     f"{getattr(self, key)!r}; pick another [study] name or storage"

@@ -22,6 +22,8 @@ from optuna.trial import TrialState
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from hf_selfspec.adapter import adapter_digest
+
 from . import TuningError
 from .config import StudyConfig, check_adapters_fit
 from .dashboard import best_trial, count_states, draft_figure, write_study_note
@@ -191,6 +193,7 @@ def run_tune(
         baseline_tokens_per_second=0.0,
         versions=library_versions(),
         draft_adapters=config.search.draft_adapters,
+        draft_adapter_digests={name: adapter_digest(path) for name, path in config.search.draft_adapters.items()},
     )
     check_adapters_fit(config.search, model)
 

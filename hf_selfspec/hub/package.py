@@ -11,16 +11,16 @@ generation config has none.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pprint
 import shutil
 import sys
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..adapter import copy_adapter
+from ..adapter import check_adapter_copy, copy_adapter, hub_adapter_address
 from ..profiles import (
     PROFILE_KEY,
     TunedProfile,
@@ -49,7 +49,7 @@ class PackageError(ValueError):
     """Bad input or a core that cannot travel: the command prints the message and exits with 2."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PackageResult:
     folder: Path
     profiles: dict[str, TunedProfile]
@@ -134,6 +134,22 @@ def _bundled_profiles_source(profiles: dict[str, TunedProfile]) -> str:
     )
 
 
+def bundled_profiles_for_repository(folder: str | Path, repo_id: str) -> str:
+    """`bundled_profiles.py` for the package in `folder` once it is in the Hub repository
+    `repo_id`: each draft adapter named by its address there. Named as `custom_generate=`, the
+    package lends these profiles to a model whose own folder lacks the adapter, and transformers
+    tells `generate` neither where the package came from nor copies anything but Python."""
+    from transformers.utils import GENERATION_CONFIG_NAME
+
+    profiles = read_profiles_file(Path(folder) / GENERATION_CONFIG_NAME)
+    addressed = {
+        key: dataclasses.replace(profile, params={**profile.params, "draft_adapter": hub_adapter_address(repo_id, name)})
+        if (name := profile.params.get("draft_adapter")) else profile
+        for key, profile in profiles.items()
+    }
+    return _bundled_profiles_source(addressed)
+
+
 def _requirements() -> str:
     """Lower bounds on what the packaged core imports, as hf-selfspec itself declares them."""
     from packaging.requirements import Requirement
@@ -214,6 +230,11 @@ def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
         raise PackageError(f"--output {output_dir} is a file; give the directory to write the package into")
     modules = core_modules()
     target = output_dir / CUSTOM_GENERATE_DIR
+    for name in adapters:  # before anything is written
+        try:
+            check_adapter_copy(config_path.parent / name, (output_dir / name).parent)
+        except ValueError as error:
+            raise PackageError(f"--output {output_dir}: {error}") from None
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         config_file = output_dir / GENERATION_CONFIG_NAME
