@@ -387,7 +387,7 @@ def test_help_describes_every_option(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in [
-        "--model", "--gguf-file", "--config", "--prompts", "--n-prompts", "--prompt-offset",
+        "--model", "--gguf-file", "--config", "--compare-config", "--prompts", "--n-prompts", "--prompt-offset",
         "--max-new-tokens", "--repeats", "--assistant", "--custom-generate", "--contenders", "--device", "--dtype", "--output",
         "results.json", "speedup.png", "acceptance.png",
     ]:  # fmt: skip
@@ -407,3 +407,35 @@ def test_a_draft_adapter_adds_the_kangaroo_contender(tiny_llama_dir, prompt_file
     [_, kangaroo] = json.loads((output / "results.json").read_text())["contenders"]
     assert kangaroo["name"] == "kangaroo" and kangaroo["identical"]
     assert kangaroo["generate_kwargs"]["draft_adapter"] == str(adapter)
+
+
+def test_compare_config_runs_another_tuned_profile_in_the_same_run(tiny_llama_dir, prompt_file, tmp_path, capsys):
+    """Two tuned profiles for one device and dtype, one interleaved run; the compared profile's
+    adapter resolves beside its own config, not the model's."""
+    from test_kangaroo import _random_adapter
+
+    config = tmp_path / "generation_config.json"
+    config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": {
+        "strategy": "self_speculative", "params": {"attn_skip_layers": [1], "draft_exit_threshold": 0.0}}}}))
+    other_dir = tmp_path / "elsewhere"
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir), device="cpu")
+    adapter = _random_adapter(model, 1, other_dir)
+    other = other_dir / "kangaroo-generation_config.json"
+    other.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": {
+        "strategy": "kangaroo", "params": {"draft_adapter": "adapter-1-1.safetensors", "max_draft_tokens": 3,
+                                           "draft_exit_threshold": 0.0, "backoff_probe_interval": 0}}}}))
+    output = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output),
+            "--config", str(config), "--contenders", "self_speculative", "--compare-config", str(other)]
+    assert main([*argv, *BENCH_FLAGS]) == 0
+    results = {c["name"]: c for c in json.loads((output / "results.json").read_text())["contenders"]}
+    assert list(results) == ["baseline", "self_speculative", "kangaroo@kangaroo-generation_config"]
+    compared = results["kangaroo@kangaroo-generation_config"]
+    assert compared["generate_kwargs"]["draft_adapter"] == adapter and compared["generate_kwargs"]["max_draft_tokens"] == 3
+    assert compared["identical"] is True and compared["verifications"] > 0
+    assert results["self_speculative"]["generate_kwargs"]["attn_skip_layers"] == [1]
+
+    (other_dir / "bfloat16-only.json").write_text(json.dumps({PROFILE_KEY: {"cpu/bfloat16": {"strategy": "kangaroo"}}}))
+    capsys.readouterr()
+    assert main([*argv[:-1], str(other_dir / "bfloat16-only.json"), *BENCH_FLAGS]) == 2
+    assert "--compare-config " + str(other_dir / "bfloat16-only.json") + " has no profile for cpu/float32" in capsys.readouterr().err

@@ -101,14 +101,13 @@ def _folder_operations(folder: Path, adapter_repo: str | None) -> list:
     bundled = f"{CUSTOM_GENERATE_DIR}/{BUNDLED_PROFILES_MODULE}.py"
     operations = []
     for path in sorted(folder.rglob("*")):
-        in_repo = path.relative_to(folder).as_posix()
-        if not path.is_file() or any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(folder).parts):
+        relative = path.relative_to(folder)
+        if not path.is_file() or any(part.startswith(".") or part == "__pycache__" for part in relative.parts):
             continue
-        if in_repo == bundled and adapter_repo is not None:
-            source = bundled_profiles_for_repository(folder, adapter_repo).encode()
-            operations.append(CommitOperationAdd(path_in_repo=in_repo, path_or_fileobj=source))
-        else:
-            operations.append(CommitOperationAdd(path_in_repo=in_repo, path_or_fileobj=path))
+        content = path
+        if relative.as_posix() == bundled and adapter_repo is not None:
+            content = bundled_profiles_for_repository(folder, adapter_repo).encode()
+        operations.append(CommitOperationAdd(path_in_repo=relative.as_posix(), path_or_fileobj=content))
     return operations
 
 

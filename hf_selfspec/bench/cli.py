@@ -92,6 +92,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "model, the profiles shipped with hf-selfspec, as load_embedded() applies them)",
     )
     parser.add_argument(
+        "--compare-config",
+        action="append",
+        default=[],
+        metavar="generation_config.json",
+        help="another generation config whose tuned profile for this device and dtype runs as one more "
+        "contender, named <strategy>@<file stem>, in the same interleaved run; repeatable",
+    )
+    parser.add_argument(
         "--prompts",
         default=DEFAULT_PROMPTS,
         metavar="humaneval|chat|FILE.jsonl",
@@ -188,19 +196,19 @@ def prompt_source(name: str) -> str | Path:
     return name
 
 
-def check_config(path: str) -> None:
-    """Read `--config` and validate its tuned profiles before the model loads, so a typo costs
+def check_config(path: str, flag: str = "--config") -> None:
+    """Read a config and validate its tuned profiles before the model loads, so a typo costs
     a second rather than the minutes of loading a large model."""
     from ..profiles import read_profiles
 
     try:
         read_profiles(json.loads(Path(path).read_text(encoding="utf-8")))
     except OSError as error:
-        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error})") from None
+        raise ValueError(f"{flag} {path}: cannot read it ({error.strerror or error})") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"--config {path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+        raise ValueError(f"{flag} {path}: not valid JSON ({error.msg} at line {error.lineno})") from None
     except ValueError as error:
-        raise ValueError(f"--config {path}: {error}") from None
+        raise ValueError(f"{flag} {path}: {error}") from None
 
 
 def check_model(name: str) -> str:
@@ -271,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import load_model_and_tokenizer
     from ..prompts import load_prompts
     from .benchmark import ACCEPTANCE_PLOT, RESULTS_FILE, SPEEDUP_PLOT, run_benchmark
-    from .contenders import HF_SELFSPEC, build_contenders
+    from .contenders import HF_SELFSPEC, build_contenders, compared_profile_contender
     from .report import diverged
     from .table import render
 
@@ -282,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
         config = args.config or _default_config(model_name)
         if config:
             check_config(config)
+        for compared in args.compare_config:
+            check_config(compared, "--compare-config")
         if args.custom_generate:
             check_package_folder(args.custom_generate, "--custom-generate")
         device = _device(args)
@@ -311,7 +321,10 @@ def run(args: argparse.Namespace) -> int:
                 draft_adapter=str(Path(args.draft_adapter).resolve()) if args.draft_adapter else None,
             ),
             args.contenders,
-        )
+        ) + [compared_profile_contender(model, path) for path in args.compare_config]
+        names = [contender.name for contender in contenders]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--compare-config: two contenders would be named {max(names, key=names.count)!r}")
     except ValueError as error:  # a tuned profile that does not fit this model, an unknown name
         return _fail(error)
     command = {key: value for key, value in vars(args).items() if key != "func"}

@@ -8,14 +8,15 @@ quietly turn the baseline into a speculative strategy and make every speedup rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..adapter import anchor_draft_adapter
+from ..adapter import HUB_ADDRESS_PREFIX, anchor_draft_adapter
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
-from ..profiles import TunedProfile, device_profile_key, read_profiles
+from ..profiles import TunedProfile, device_profile_key, read_profiles, read_profiles_file
 from ..strategies import resolve_strategy
 
 BASELINE = "baseline"
@@ -79,6 +80,30 @@ def _profile_params(model, profile: TunedProfile) -> dict[str, Any]:
     """A profile's parameters completed and validated exactly as `generate` would (a draft
     adapter's file name resolved against the profile's directory, as `generate` resolves it)."""
     return resolve_params(_num_layers(model), anchor_draft_adapter(model, profile.params)).as_dict()
+
+
+def compared_profile_contender(model, config_path: str | Path) -> Contender:
+    """The tuned profile for the model's device and dtype in another `generation_config.json`,
+    as one more contender named `<strategy>@<file stem>`: two tuned profiles for the same
+    hardware (say, the shipped default and a kangaroo one) then meet in one interleaved run
+    instead of two runs whose machine drift differs. Its draft adapter resolves against that
+    file's directory, as `generate` would resolve it with that config loaded."""
+    config_path = Path(config_path)
+    key = device_profile_key(model.device, model.dtype)
+    profile = read_profiles_file(config_path).get(key)
+    if profile is None:
+        raise ValueError(f"--compare-config {config_path} has no profile for {key}")
+    values = dict(profile.params)
+    adapter = values.get("draft_adapter")
+    if adapter and not Path(adapter).is_absolute() and not adapter.startswith(HUB_ADDRESS_PREFIX):
+        values["draft_adapter"] = str(config_path.resolve().parent / adapter)
+    params = resolve_params(_num_layers(model), values).as_dict()
+    return Contender(
+        f"{profile.strategy}@{config_path.stem}",
+        {"strategy": profile.strategy, "do_sample": False, **params},
+        family=HF_SELFSPEC,
+        params_label=f"{TUNED}, {config_path.name}",
+    )
 
 
 def tuned_profile(model) -> tuple[str, TunedProfile | None]:
