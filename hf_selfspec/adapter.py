@@ -306,11 +306,14 @@ def fetch_hub_adapter(address: str) -> Path:
     return Path(weights)
 
 
-def anchor_draft_adapter(model: nn.Module, values: Mapping[str, Any]) -> dict[str, Any]:
+def anchor_draft_adapter(
+    model: nn.Module, values: Mapping[str, Any], config_dir: str | Path | None = None
+) -> dict[str, Any]:
     """Profile or generation-config values with a relative `draft_adapter` made absolute.
 
-    A profile names its adapter relative to the `generation_config.json` it came from (recorded
-    by the loaders as `model.selfspec_config_dir`), or else to the model's own directory, so the
+    A profile names its adapter relative to the `generation_config.json` it came from
+    (`config_dir`, by default the one the loaders recorded as `model.selfspec_config_dir`), or
+    else to the model's own directory, so the
     two travel together; for a model loaded by Hub id that directory is its repository, and the
     name becomes an address there, fetched only if a draft uses it. A name passed to
     `generate()` itself is relative to the working directory, like any path a program is given.
@@ -318,7 +321,7 @@ def anchor_draft_adapter(model: nn.Module, values: Mapping[str, Any]) -> dict[st
     name = values.get("draft_adapter")
     if not isinstance(name, str) or not name or Path(name).is_absolute() or name.startswith(HUB_ADDRESS_PREFIX):
         return dict(values)
-    base = getattr(model, "selfspec_config_dir", None)
+    base = config_dir if config_dir is not None else getattr(model, "selfspec_config_dir", None)
     source = str(getattr(model, "name_or_path", "") or "")
     if base is None and _is_hub_id(source):
         return {**values, "draft_adapter": hub_adapter_address(source, name)}

@@ -34,6 +34,7 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -173,21 +174,26 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
 # Corpus and the teacher pass
 
 
-def stdlib_texts(characters: float) -> list[str]:
-    """Standard-library sources, about `characters` long, in a fixed pseudo-random order (by the
+def _stdlib_sources() -> Iterator[str]:
+    """The standard library's sources, read one at a time in a fixed pseudo-random order (by the
     hash of their relative path, so it does not depend on the file system)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(root.rglob("*.py"), key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
-    texts, total = [], 0
     for file in files:
-        if total >= characters:
-            break
         if "site-packages" in file.parts:
             continue
         try:
-            text = file.read_text(encoding="utf-8")
+            yield file.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+
+
+def stdlib_texts(characters: int) -> list[str]:
+    """Standard-library sources in `_stdlib_sources`' order, about `characters` long."""
+    texts, total = [], 0
+    for text in _stdlib_sources():
+        if total >= characters:
+            break
         texts.append(text)
         total += len(text)
     return texts
@@ -195,10 +201,11 @@ def stdlib_texts(characters: float) -> list[str]:
 
 def stdlib_function_prompts(count: int, max_characters: int = 1200) -> list[str]:
     """`count` standard-library functions cut after their docstring: a signature and a docstring
-    that asks for a body, the shape of a HumanEval prompt. Files in `stdlib_texts`' order,
-    functions in source order; methods are dedented to the top level."""
+    that asks for a body, the shape of a HumanEval prompt. Files in `_stdlib_sources`' order,
+    functions in source order; methods are dedented to the top level. Files are read only until
+    there are enough."""
     prompts: list[str] = []
-    for text in stdlib_texts(float("inf")) if count else []:
+    for text in _stdlib_sources() if count else []:
         try:
             tree = ast.parse(text)
         except (SyntaxError, ValueError):

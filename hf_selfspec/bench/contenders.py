@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..adapter import HUB_ADDRESS_PREFIX, anchor_draft_adapter
+from ..adapter import anchor_draft_adapter
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
 from ..profiles import TunedProfile, device_profile_key, read_profiles, read_profiles_file
@@ -76,10 +76,10 @@ def default_params(model) -> dict[str, Any]:
     return resolve_params(_num_layers(model), {}).as_dict()
 
 
-def _profile_params(model, profile: TunedProfile) -> dict[str, Any]:
+def _profile_params(model, profile: TunedProfile, config_dir: Path | None = None) -> dict[str, Any]:
     """A profile's parameters completed and validated exactly as `generate` would (a draft
     adapter's file name resolved against the profile's directory, as `generate` resolves it)."""
-    return resolve_params(_num_layers(model), anchor_draft_adapter(model, profile.params)).as_dict()
+    return resolve_params(_num_layers(model), anchor_draft_adapter(model, profile.params, config_dir)).as_dict()
 
 
 def compared_profile_contender(model, config_path: str | Path) -> Contender:
@@ -93,11 +93,7 @@ def compared_profile_contender(model, config_path: str | Path) -> Contender:
     profile = read_profiles_file(config_path).get(key)
     if profile is None:
         raise ValueError(f"--compare-config {config_path} has no profile for {key}")
-    values = dict(profile.params)
-    adapter = values.get("draft_adapter")
-    if adapter and not Path(adapter).is_absolute() and not adapter.startswith(HUB_ADDRESS_PREFIX):
-        values["draft_adapter"] = str(config_path.resolve().parent / adapter)
-    params = resolve_params(_num_layers(model), values).as_dict()
+    params = _profile_params(model, profile, config_path.resolve().parent)
     return Contender(
         f"{profile.strategy}@{config_path.stem}",
         {"strategy": profile.strategy, "do_sample": False, **params},
