@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .layer_skip import decoder_layers
+from .params import PATH_KEYS
 
 ADAPTER_FORMAT = "hf-selfspec-draft-adapter/1"
 
@@ -164,13 +165,13 @@ def save_adapter(adapter: DraftAdapter, path: str | Path, dtype: torch.dtype | N
     return weights_path
 
 
-def existing_adapter_files(path: str | Path) -> tuple[Path, Path]:
+def existing_adapter_files(path: str | Path, what: str = "draft adapter") -> tuple[Path, Path]:
     """`adapter_files(path)`, failing with the name of the first file that is not there: an
-    adapter is only usable, or worth copying, with both."""
+    adapter (or a lookup corpus, laid out alike) is only usable, or worth copying, with both."""
     files = adapter_files(path)
     for required in files:
         if not required.is_file():
-            raise ValueError(f"draft adapter file {required} is missing")
+            raise ValueError(f"{what} file {required} is missing")
     return files
 
 
@@ -267,7 +268,7 @@ _loaded: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionar
 
 def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
     if str(path).startswith(HUB_ADDRESS_PREFIX):
-        path = fetch_hub_adapter(str(path))
+        path = fetch_hub_file_pair(str(path), "draft adapter")
     weights_path, _ = adapter_files(path)
     stamp = (str(weights_path.resolve()), weights_path.stat().st_mtime_ns if weights_path.is_file() else None,
              model.dtype, model.device)
@@ -278,23 +279,23 @@ def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
     return per_model[stamp]
 
 
-# `hf://{repo_id}@{revision}/{file in the repository}`: where a profile's adapter is when its model
+# `hf://{repo_id}@{revision}/{file in the repository}`: where a profile's file is when its model
 # was loaded by Hub id. Repository ids hold no "@" and the revision here is always "main" (a
 # transformers 5 model does not record the revision it was loaded from), so the address splits
 # unambiguously.
 HUB_ADDRESS_PREFIX = "hf://"
 
 
-def hub_adapter_address(repo_id: str, name: str) -> str:
+def hub_file_address(repo_id: str, name: str) -> str:
     return f"{HUB_ADDRESS_PREFIX}{repo_id}@main/{Path(name).as_posix()}"
 
 
 @functools.lru_cache(maxsize=None)
-def fetch_hub_adapter(address: str) -> Path:
-    """The local copy of an adapter in a Hub repository, downloaded on first use. transformers
-    fetches only the files a model needs, so an adapter beside a Hub model's config is not on
-    disk until a profile drafts with it. Asked once a process: each `generate` call would
-    otherwise check the Hub again."""
+def fetch_hub_file_pair(address: str, what: str) -> Path:
+    """The local copy of an adapter (or a lookup corpus) in a Hub repository, downloaded on
+    first use. transformers fetches only the files a model needs, so an adapter beside a Hub
+    model's config is not on disk until a profile drafts with it. Asked once a process: each
+    `generate` call would otherwise check the Hub again."""
     from transformers.utils.hub import cached_files
 
     repo_id, _, rest = address[len(HUB_ADDRESS_PREFIX) :].partition("@")
@@ -302,32 +303,37 @@ def fetch_hub_adapter(address: str) -> Path:
     try:
         weights, _ = cached_files(repo_id, [str(p) for p in adapter_files(name)], revision=revision)
     except OSError as error:  # transformers' errors for a missing repository, file or connection
-        raise ValueError(f"draft adapter {name} of {repo_id} (revision {revision}) cannot be fetched: {error}") from None
+        raise ValueError(f"{what} {name} of {repo_id} (revision {revision}) cannot be fetched: {error}") from None
     return Path(weights)
 
 
-def anchor_draft_adapter(
+def anchor_profile_files(
     model: nn.Module, values: Mapping[str, Any], config_dir: str | Path | None = None
 ) -> dict[str, Any]:
-    """Profile or generation-config values with a relative `draft_adapter` made absolute.
+    """Profile or generation-config values with every relative file name (`draft_adapter`,
+    `lookup_corpus`) made absolute.
 
-    A profile names its adapter relative to the `generation_config.json` it came from
+    A profile names its files relative to the `generation_config.json` it came from
     (`config_dir`, by default the one the loaders recorded as `model.selfspec_config_dir`), or
-    else to the model's own directory, so the
-    two travel together; for a model loaded by Hub id that directory is its repository, and the
-    name becomes an address there, fetched only if a draft uses it. A name passed to
-    `generate()` itself is relative to the working directory, like any path a program is given.
+    else to the model's own directory, so they travel together; for a model loaded by Hub id that
+    directory is its repository, and a name becomes an address there, fetched only if decoding
+    uses it. A name passed to `generate()` itself is relative to the working directory, like any
+    path a program is given.
     """
-    name = values.get("draft_adapter")
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or name.startswith(HUB_ADDRESS_PREFIX):
-        return dict(values)
+    anchored = dict(values)
     base = config_dir if config_dir is not None else getattr(model, "selfspec_config_dir", None)
     source = str(getattr(model, "name_or_path", "") or "")
-    if base is None and _is_hub_id(source):
-        return {**values, "draft_adapter": hub_adapter_address(source, name)}
-    if base is None and Path(source).is_dir():
+    if base is None and not _is_hub_id(source) and Path(source).is_dir():
         base = source
-    return {**values, "draft_adapter": str(Path(base) / name) if base is not None else name}
+    for key in PATH_KEYS:
+        name = values.get(key)
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or name.startswith(HUB_ADDRESS_PREFIX):
+            continue
+        if base is None and _is_hub_id(source):
+            anchored[key] = hub_file_address(source, name)
+        elif base is not None:
+            anchored[key] = str(Path(base) / name)
+    return anchored
 
 
 def _is_hub_id(name_or_path: str) -> bool:

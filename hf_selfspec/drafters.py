@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from .adapter import DraftAdapter
 from .cache import DraftAwareCache
 from .layer_skip import LayerSkipper, decoder_layers
+from .lookup_corpus import LookupCorpus
 from .policies import ExitPolicy
 from .selection import TokenSelector
 
@@ -277,22 +278,37 @@ def lookup_continuation(sequence: torch.Tensor, min_ngram: int, max_ngram: int, 
     return []
 
 
+def lookup_proposal(
+    text: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int, corpus: LookupCorpus | None = None
+) -> list[int]:
+    """What prompt lookup proposes after the 1-D `text`: its own continuation of the current
+    n-gram, else the corpus's (the model's writing elsewhere), else nothing."""
+    tokens = lookup_continuation(text, min_ngram, max_ngram, max_tokens)
+    if not tokens and corpus is not None:
+        tokens = corpus.continuation(text, min_ngram, max_ngram, max_tokens)
+    return tokens
+
+
 class PromptLookupDrafter(Drafter):
-    """Copy the continuation of the earliest occurrence of the current n-gram, else fall back to
-    another drafter.
+    """Copy the continuation of the earliest occurrence of the current n-gram, else what the
+    model itself wrote after it elsewhere (a lookup corpus, if given), else fall back to another
+    drafter.
 
     Code and edits repeat their own context (names, signatures, docstrings), so a matching
     n-gram often predicts several tokens at no model cost; where nothing matches, the model-based
     fallback still proposes.
     """
 
-    def __init__(self, fallback: Drafter, min_ngram: int, max_ngram: int, max_lookup_tokens: int):
-        self.fallback, self.max_lookup_tokens = fallback, max_lookup_tokens
+    def __init__(
+        self, fallback: Drafter, min_ngram: int, max_ngram: int, max_lookup_tokens: int, corpus: LookupCorpus | None = None
+    ):
+        self.fallback, self.max_lookup_tokens, self.corpus = fallback, max_lookup_tokens, corpus
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
     def propose_free(self, state, max_tokens):
-        tokens = lookup_continuation(
-            state.sequence[0, : state.length], self.min_ngram, self.max_ngram, min(max_tokens, self.max_lookup_tokens)
+        tokens = lookup_proposal(
+            state.sequence[0, : state.length], self.min_ngram, self.max_ngram, min(max_tokens, self.max_lookup_tokens),
+            self.corpus,
         )
         if tokens:
             state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)

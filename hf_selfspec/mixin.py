@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adapter import anchor_draft_adapter
+from .adapter import anchor_profile_files
 from .cache import DraftAwareCache
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
@@ -130,8 +130,8 @@ class SelfSpecMixin(GenerationMixin):
         params = resolve_params(
             len(decoder_layers(self)),
             explicit,
-            anchor_draft_adapter(self, config_values),
-            anchor_draft_adapter(self, profile.params) if profile is not None else {},
+            anchor_profile_files(self, config_values),
+            anchor_profile_files(self, profile.params) if profile is not None else {},
         )
         return StrategyPlan(resolved, params, kwargs.get("assistant_model"))
 

@@ -44,6 +44,9 @@ class SelfSpecParams:
     # model's first layers plus the adapter instead of a layer-skip set. Relative names resolve
     # against the directory of the generation_config.json the profile came from.
     draft_adapter: str = ""
+    # A lookup corpus's file (see `hf_selfspec.lookup_corpus`): text the model wrote itself, where
+    # prompt lookup looks next when the current text has no match. Resolved like `draft_adapter`.
+    lookup_corpus: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -62,7 +65,9 @@ _PROBABILITY_KEYS = (
     "threshold_ema",
     "target_confidence_threshold",
 )
-_PATH_KEYS = ("draft_adapter",)
+# Parameters that name a file beside the profile's generation_config.json; whatever copies,
+# exports or uploads a profile carries these files along.
+PATH_KEYS = ("draft_adapter", "lookup_corpus")
 _COUNT_KEYS = {
     "max_draft_tokens": 1,
     "prompt_lookup_tokens": 0,
@@ -98,7 +103,7 @@ def check_param_types(values: Mapping[str, Any], where: str) -> None:
         elif key in _COUNT_KEYS:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{where}: {key} must be an int, got {value!r}")
-        elif key in _PATH_KEYS:
+        elif key in PATH_KEYS:
             if not isinstance(value, str):
                 raise ValueError(f"{where}: {key} must be a file name, got {value!r}")
         elif key in _PROBABILITY_KEYS:
@@ -143,4 +148,6 @@ def resolve_params(
             f"prompt_lookup_min_ngram ({params.prompt_lookup_min_ngram}) must not exceed "
             f"prompt_lookup_ngram ({params.prompt_lookup_ngram})"
         )
+    if params.lookup_corpus and not params.prompt_lookup_tokens:
+        raise ValueError("lookup_corpus extends prompt lookup and needs prompt_lookup_tokens > 0")
     return params

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from .adapter import existing_adapter_files
-from .params import check_param_types
+from .params import PATH_KEYS, check_param_types
 
 PROFILE_KEY = "self_speculative"
 _PROFILE_FIELDS = {"strategy", "params", "measured"}
@@ -109,25 +109,26 @@ def read_profiles_file(path: str | Path) -> dict[str, TunedProfile]:
     return read_profiles(GenerationConfig.from_pretrained(path.parent, config_file_name=path.name))
 
 
-def profile_draft_adapters(profiles: Mapping[str, TunedProfile], config_dir: str | Path) -> list[str]:
-    """The draft adapters the profiles name, as the relative names they use, each checked to be
-    beside the config: whatever copies or uploads a config must carry these files with it, or
-    its profiles stop loading."""
+def profile_files(profiles: Mapping[str, TunedProfile], config_dir: str | Path) -> list[str]:
+    """The files the profiles name (draft adapters, lookup corpora), as the relative names they
+    use, each checked to be beside the config: whatever copies or uploads a config must carry
+    these files with it, or its profiles stop loading."""
     names = []
     for key, profile in sorted(profiles.items()):
-        name = profile.params.get("draft_adapter")
-        if not name:
-            continue
-        if Path(name).is_absolute():
-            raise ValueError(
-                f"profile {key!r}: draft_adapter {name!r} is an absolute path, which does not travel with the "
-                "config; name the file relative to the generation_config.json (hf-selfspec export does)"
-            )
-        try:
-            existing_adapter_files(Path(config_dir) / name)
-        except ValueError as error:
-            raise ValueError(f"profile {key!r} drafts with {name!r}, but {error}") from None
-        names.append(name)
+        for param in PATH_KEYS:
+            name = profile.params.get(param)
+            if not name:
+                continue
+            if Path(name).is_absolute():
+                raise ValueError(
+                    f"profile {key!r}: {param} {name!r} is an absolute path, which does not travel with the "
+                    "config; name the file relative to the generation_config.json (hf-selfspec export does)"
+                )
+            try:
+                existing_adapter_files(Path(config_dir) / name, what=param.replace("_", " "))
+            except ValueError as error:
+                raise ValueError(f"profile {key!r} names {param} {name!r}, but {error}") from None
+            names.append(name)
     return list(dict.fromkeys(names))
 
 

@@ -20,6 +20,7 @@ from .decoding import SpeculationParts
 from .adapter import load_adapter
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import LayerSkipper
+from .lookup_corpus import load_lookup_corpus
 from .params import SelfSpecParams
 from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
 
@@ -62,8 +63,9 @@ class Strategy:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
             drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size)
         if params.prompt_lookup_tokens:
+            corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
             drafter = PromptLookupDrafter(
-                drafter, params.prompt_lookup_min_ngram, params.prompt_lookup_ngram, params.prompt_lookup_tokens
+                drafter, params.prompt_lookup_min_ngram, params.prompt_lookup_ngram, params.prompt_lookup_tokens, corpus
             )
         return drafter
 

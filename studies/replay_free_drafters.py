@@ -10,6 +10,8 @@ measured 1.38-1.44x).
 
 Drafters replayed, alone and together:
 - prompt lookup (the earliest occurrence of the longest matching suffix n-gram), as shipped;
+- prompt lookup, then where the text has no match the shipped lookup corpus (the model's own
+  continuations of other prompts, `studies/tuned/smollm2-135m-instruct/own-code.safetensors`);
 - lookup *trees*: the distinct continuations of every earlier occurrence, verified together
   (as a tree-attention verifier would, one forward pass over all their tokens);
 - token recycling: the model's own top-k next tokens, remembered per token id from every
@@ -21,11 +23,13 @@ Drafters replayed, alone and together:
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
-from hf_selfspec.drafters import lookup_continuation
-from hf_selfspec.embedded import load_embedded
+from hf_selfspec.drafters import lookup_continuation, lookup_proposal
+from hf_selfspec.embedded import TUNED_CONFIG, load_embedded
+from hf_selfspec.lookup_corpus import load_lookup_corpus
 from hf_selfspec.prompts import load_prompts, encode_prompt
 
 # One forward over n new tokens relative to one token: SmolLM2-135M, bfloat16, ~250 tokens of
@@ -43,6 +47,11 @@ def verify_cost(width: int) -> float:
 
 def lookup(text: list[int], max_tokens: int = 10) -> list[list[int]]:
     tokens = lookup_continuation(torch.tensor(text), 1, 2, max_tokens)
+    return [tokens] if tokens else []
+
+
+def lookup_then_corpus(text: list[int], corpus, max_ngram: int, max_tokens: int = 8) -> list[list[int]]:
+    tokens = lookup_proposal(torch.tensor(text), 2, max_ngram, max_tokens, corpus)
     return [tokens] if tokens else []
 
 
@@ -114,6 +123,12 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load_embedded(dtype=torch.float32, generation_config=None)
+    corpus = load_lookup_corpus(model, Path(str(TUNED_CONFIG)).parent / "own-code.safetensors")
+    first, *rest = DRAFTERS.items()
+    with_corpus = {
+        f"lookup, then the corpus, 2-{n}-grams": (lambda t, s, n=n: lookup_then_corpus(t, corpus, n), False) for n in (3, 6)
+    }
+    drafters = dict([first, *with_corpus.items(), *rest])
     texts = []
     for prompt in load_prompts(args.prompts, args.n_prompts, offset=args.prompt_offset):
         inputs = encode_prompt(tokenizer, prompt)
@@ -123,7 +138,7 @@ def main() -> None:
         texts.append((output[0].tolist(), inputs["input_ids"].shape[1], top))
 
     print(f"{'drafter':42s} {'verifications':>13s} {'tokens each':>11s} {'speedup bound':>13s}")
-    for name, (propose, seeded) in DRAFTERS.items():
+    for name, (propose, seeded) in drafters.items():
         runs = [replay(text, length, top, propose, seeded) for text, length, top in texts]
         new_tokens = [len(text) - length for text, length, _ in texts]
         count = sum(c for c, _ in runs)

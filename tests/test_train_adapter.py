@@ -121,7 +121,7 @@ def test_stdlib_function_prompts_are_a_signature_and_a_docstring_asking_for_a_bo
 
 def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prompt(tiny_llama_dir, tmp_path):
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
-    chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path)
+    chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
     texts = torch.load(tmp_path / "generated.pt")
     problems = humaneval_problems(160)
     assert len(texts) == len(problems) + GENERATING.stdlib_prompts + GENERATING.stdlib_functions
@@ -143,11 +143,72 @@ def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prom
 def test_generation_resumes_from_the_batches_it_finished(tiny_llama_dir, tmp_path, monkeypatch):
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
     monkeypatch.setattr(train_adapter, "_GENERATION_BATCH", 2)
-    first = corpus_chunks(tokenizer, GENERATING, model, tmp_path)
+    first = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
     finished = torch.load(tmp_path / "generated.pt")
     torch.save(finished[:2], tmp_path / "generated.pt")  # as if killed after the first batch
     calls = []
     generate = model.generate
     monkeypatch.setattr(model, "generate", lambda **kwargs: calls.append(kwargs["input_ids"].shape[0]) or generate(**kwargs))
-    assert torch.equal(corpus_chunks(tokenizer, GENERATING, model, tmp_path), first)
+    assert torch.equal(corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt"), first)
     assert calls == [2, 2, 2]  # the six prompts left, and nothing already generated
+
+
+GENERATING_TOML = """[corpus]
+stdlib_tokens = 0
+humaneval_from = 160
+generated_tokens = 6
+stdlib_prompts = 2
+prompt_tokens = 12
+stdlib_functions = 2
+chunk_tokens = 8
+"""
+
+
+def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """One [model] and [corpus] generate once: the lookup corpus is exactly the text the adapter
+    trains on, written beside its config with what it was made from."""
+    from hf_selfspec.cli import main
+    from hf_selfspec.lookup_corpus import SEPARATOR, read_corpus_description
+    from tuning.train_adapter import generated_text_file
+
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model = f'[model]\nname = "{tiny_llama_dir}"\n'
+    adapter_config, corpus_config = tmp_path / "adapter.toml", tmp_path / "corpus.toml"
+    adapter_config.write_text(model + GENERATING_TOML + '[adapter]\nexit_layers = [2]\noutput_dir = "out"\n'
+                              "[training]\nsteps = 2\nbatch_chunks = 2\nvocab_size = 512\n")
+    corpus_config.write_text(model + GENERATING_TOML + '[output]\nname = "own-text"\noutput_dir = "out"\n')
+    train = load_train_config(adapter_config)
+    run_train_adapter(train, False)
+    generated = generated_text_file(train.model, train.corpus)
+    made = generated.stat().st_mtime_ns
+
+    assert main(["write-lookup-corpus", str(corpus_config), "--no-progress"]) == 0
+    assert generated.stat().st_mtime_ns == made  # generated once, for both
+    written = tmp_path / "out" / "own-text.safetensors"
+    assert f"wrote {written} and own-text.json" in capsys.readouterr().out
+    texts = torch.load(generated)
+    assert load_file(str(written))["token_ids"].tolist() == [t for text in texts for t in [*text, SEPARATOR]]
+    about = read_corpus_description(written)
+    assert about["texts"] == len(texts) == 8 and "HumanEval prompts 160 on" in about["description"]
+
+
+@pytest.mark.parametrize(
+    "corpus, words",
+    [("generated_tokens = 0", "corpus.generated_tokens: must be positive: a lookup corpus is text the model wrote"),
+     ("humaneval_from = 20\ngenerated_tokens = 4", "corpus.humaneval_from: HumanEval problems below 40")],
+)
+def test_a_lookup_corpus_config_keeps_to_the_models_own_text_and_out_of_evaluation(tmp_path, corpus, words):
+    from tuning.write_lookup_corpus import load_lookup_corpus_config
+
+    path = tmp_path / "corpus.toml"
+    path.write_text(f'[model]\nname = "embedded"\n[corpus]\n{corpus}\n[output]\nname = "x"\n')
+    with pytest.raises(StudyConfigError, match=words):
+        load_lookup_corpus_config(path)
+
+
+def test_write_lookup_corpus_help_says_what_it_writes_and_from_what():
+    result = subprocess.run([sys.executable, "-m", "hf_selfspec.cli", "write-lookup-corpus", "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "HumanEval problems 40" in result.stdout and "NAME.safetensors" in result.stdout
+    assert "lookup_corpus" in result.stdout

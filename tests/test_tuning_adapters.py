@@ -146,7 +146,7 @@ def test_export_carries_the_chosen_adapter_and_the_folder_decodes_with_it(tuned,
     assert_profile_drafts_losslessly(tiny_llama_dir, moved / "generation_config.json", "def fib(n):")
 
     packaged = package(moved / "generation_config.json", tmp_path / "package")
-    assert packaged.adapters == [f"{best}.safetensors"]
+    assert packaged.profile_files == [f"{best}.safetensors"]
     assert (tmp_path / "package" / f"{best}.safetensors").is_file() and (tmp_path / "package" / f"{best}.json").is_file()
 
 
@@ -176,7 +176,7 @@ def test_export_refuses_when_the_chosen_adapter_is_gone(tuned, tmp_path):
 def test_package_refuses_a_config_whose_adapter_is_missing(tuned, tmp_path):
     result = export_profile(tuned.storage, tuned.outcome.study.study_name, tmp_path / "exported")
     adapter_files(tmp_path / "exported" / result.profile.params["draft_adapter"])[1].unlink()
-    with pytest.raises(PackageError, match=r"drafts with 'adapter-\d-1.safetensors', but draft adapter file .*\.json is missing"):
+    with pytest.raises(PackageError, match=r"names draft_adapter 'adapter-\d-1.safetensors', but draft adapter file .*\.json is missing"):
         package(result.path, tmp_path / "package")
     assert not (tmp_path / "package").exists()
 
@@ -217,7 +217,7 @@ def test_a_retrained_adapter_is_neither_resumed_into_the_study_nor_exported_as_m
         with pytest.raises(TuningError, match="tuned with other weights under the adapter names adapter-1-1, adapter-2-1"):
             run_tune(config, n_trials=1, show_progress=False)
         assert len(tuned.outcome.study.get_trials()) == N_TRIALS
-        with pytest.raises(ExportError, match=f"drafts with {best}.safetensors, but {weights} now holds other weights"):
+        with pytest.raises(ExportError, match=f"drafts with {best}.safetensors, but {weights} now holds other contents"):
             export_profile(tuned.storage, tuned.outcome.study.study_name, tmp_path / "out")
         assert not (tmp_path / "out").exists()
     finally:

@@ -84,6 +84,33 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
     assert replayed_steps > 0
 
 
+def test_replay_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):
+    """Lookups only (a closed gate), first in the text, then in the model's own writing: the
+    replay proposes exactly what a real decode proposes, with the loop's own lookup."""
+    from hf_selfspec.lookup_corpus import load_lookup_corpus, save_lookup_corpus
+
+    texts = [_prepared(sharp_llama, 4, seed).reference_tokens for seed in range(10, 16)]
+    path = save_lookup_corpus(texts, tmp_path / "own", sharp_llama.config.vocab_size, "the model's own")
+    params = resolve_params(NUM_LAYERS, {
+        "target_confidence_threshold": 1.0, "prompt_lookup_tokens": 5, "prompt_lookup_min_ngram": 1,
+        "lookup_corpus": str(path), "backoff_probe_interval": 0, "attn_skip_layers": [], "mlp_skip_layers": [],
+    })  # fmt: skip
+    corpus, drafted = load_lookup_corpus(sharp_llama, path), 0
+    for seed, length in enumerate((5, 11, 17)):
+        prompt = _prepared(sharp_llama, length, seed)
+        data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
+        predicted = draft_predictions(sharp_llama, data, params)  # for a gate that opens at 100% sure
+        _, replayed = replay_decode(data, params, "target_confidence_gated", *predicted, _free(NUM_LAYERS), corpus)
+        real = sharp_llama.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    strategy="target_confidence_gated", return_dict_in_generate=True,
+                                    **params.as_dict()).strategy_stats
+        assert replayed.accepted_lengths == real.accepted_lengths, seed
+        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
+        _, without = replay_decode(data, params, "target_confidence_gated", *predicted, _free(NUM_LAYERS))
+        drafted += replayed.drafted_tokens - without.drafted_tokens
+    assert drafted > 0  # the corpus proposed where the text alone did not
+
+
 def test_replay_backs_off_where_its_priced_steps_say_drafting_loses(sharp_llama):
     """The replay feeds the back-off priced seconds in place of its clock. Priced so that a
     drafted token costs as much as a plain step, a draft the verifier sometimes rejects loses,

@@ -26,5 +26,7 @@ def test_the_wheel_holds_only_hf_selfspec_with_the_tuner_and_the_hub_entry_insid
         "hf_selfspec/tuning/hub.py",
         "hf_selfspec/hub/generate_entry.py",
         "hf_selfspec/data/tuned/smollm2-135m-instruct/generation_config.json",
+        "hf_selfspec/data/tuned/smollm2-135m-instruct/own-code.safetensors",
+        "hf_selfspec/data/tuned/smollm2-135m-instruct/own-code.json",
     ]:
         assert needed in names

@@ -1,4 +1,4 @@
-"""Argument wiring for `hf-selfspec tune | dashboard | export | push | train-adapter | quickstart`.
+"""Argument wiring for `hf-selfspec tune | dashboard | export | push | train-adapter | write-lookup-corpus | quickstart`.
 
 Only argparse lives here; each command's work is in its own module, imported when the command
 runs, so the tuner's dependencies (optuna, optuna-dashboard, the Hub client) load only then.
@@ -96,6 +96,9 @@ def _export(args: argparse.Namespace) -> int:
     adapter = result.profile.params["draft_adapter"]
     if adapter:
         print(f"Copied its draft adapter {adapter} (and its .json) beside it")
+    corpus = result.profile.params["lookup_corpus"]
+    if corpus:
+        print(f"Copied its lookup corpus {corpus} (and its .json) beside it")
     print(f"It now holds profiles for: {', '.join(sorted(profiles))}")
     if args.custom_generate:
         from hf_selfspec.hub.package import package, summary
@@ -122,6 +125,15 @@ def _train_adapter(args: argparse.Namespace) -> int:
 
     config = load_train_config(args.config)
     print(describe_result(run_train_adapter(config, show_progress=not args.no_progress)))
+    return 0
+
+
+@_reporting("write-lookup-corpus")
+def _write_lookup_corpus(args: argparse.Namespace) -> int:
+    from .write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
+
+    config = load_lookup_corpus_config(args.config)
+    print(describe_result(*run_write_lookup_corpus(config, show_progress=not args.no_progress)))
     return 0
 
 
@@ -239,6 +251,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("config", type=Path, metavar="CONFIG.toml", help="training config")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train_adapter)
+
+    corpus = subparsers.add_parser(
+        "write-lookup-corpus",
+        help="write a lookup corpus (the model's own continuations) for prompt lookup to continue into",
+        description="Let the model continue prompts that ship with the installed packages (HumanEval problems 40 "
+        "onwards, standard-library windows and functions cut after their docstring) greedily, and write what it "
+        "wrote as NAME.safetensors and NAME.json into the config's output_dir. A profile naming the file with "
+        "lookup_corpus (or a study with [search] lookup_corpus) then proposes, where the current text has no "
+        "matching n-gram, what the model wrote after that n-gram elsewhere. The generated text is kept in the user "
+        "cache batch by batch, so a killed run resumes, and a train-adapter config with the same [model] and "
+        "[corpus] generates it once for both.",
+        epilog="Config sections: [model] name, dtype, device; [corpus] as for train-adapter (generated_tokens "
+        "must be positive); [output] name, output_dir (relative to the config). Example: "
+        "studies/tuned/smollm2-135m-instruct/lookup-corpus.toml",
+    )
+    corpus.add_argument("config", type=Path, metavar="CONFIG.toml", help="corpus config")
+    corpus.add_argument("--no-progress", action="store_true", help="no progress bars")
+    corpus.set_defaults(func=_write_lookup_corpus)
 
     quickstart = subparsers.add_parser(
         "quickstart",

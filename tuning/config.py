@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hf_selfspec.adapter import adapter_files, read_adapter, read_adapter_shape
+from hf_selfspec.lookup_corpus import read_corpus_description
 from hf_selfspec.loading import AUTO, EMBEDDED, parse_dtype
 from hf_selfspec.prompts import HUMANEVAL
 from hf_selfspec.strategies import resolve_strategy
@@ -57,6 +58,8 @@ class SearchConfig:
     # Trained draft adapters to choose among, by name (the file's stem), each with its weights
     # file; when set, every trial drafts with one of them instead of a skip set.
     draft_adapters: dict[str, str] = field(default_factory=dict)
+    # A lookup corpus every trial's prompt lookup continues into (its weights file), or "".
+    lookup_corpus: str = ""
 
     def range_of(self, knob: str) -> tuple[float, float]:
         return self.ranges.get(knob, KNOBS[knob].default_range)
@@ -94,7 +97,7 @@ class StudyConfig:
 
 _SECTIONS = {"model": ModelConfig, "prompts": PromptConfig, "search": SearchConfig, "study": StudySettings}
 # `search` spells each knob's range as its own key; `ranges` is only the parsed form.
-_SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", "draft_adapters", *KNOBS}
+_SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", "draft_adapters", "lookup_corpus", *KNOBS}
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
@@ -233,6 +236,23 @@ def _draft_adapters(reader: _Reader, table: dict[str, Any], strategy: str) -> di
     return adapters
 
 
+def _lookup_corpus(reader: _Reader, table: dict[str, Any], ranges: dict[str, tuple[float, float]]) -> str:
+    """The corpus file, named relative to the config and read as a corpus description now; it
+    extends prompt lookup, so every trial must look up."""
+    key = "search.lookup_corpus"
+    name = reader.get(table, "search", "lookup_corpus", str, "")
+    if not name:
+        return ""
+    tokens, _ = adapter_files(reader.path.parent / name)
+    try:
+        read_corpus_description(tokens)
+    except ValueError as error:
+        raise reader.error(key, f"{name!r}: {error}") from None
+    if ranges.get("prompt_lookup_tokens", KNOBS["prompt_lookup_tokens"].default_range)[0] < 1:
+        raise reader.error(key, "extends prompt lookup: give search.prompt_lookup_tokens a range from 1 up")
+    return str(tokens.resolve())
+
+
 def _search(reader: _Reader) -> SearchConfig:
     table = reader.section("search", _SEARCH_KEYS)
     defaults = SearchConfig()
@@ -247,6 +267,14 @@ def _search(reader: _Reader) -> SearchConfig:
                 f"search.{name}", f"strategy {strategy!r} does not read it (only {', '.join(users)} does)"
             )
         ranges[name] = _knob_range(reader, name, table[name])
+    shortest = ranges.get("prompt_lookup_min_ngram", KNOBS["prompt_lookup_min_ngram"].default_range)
+    longest = ranges.get("prompt_lookup_ngram", KNOBS["prompt_lookup_ngram"].default_range)
+    if shortest[1] > longest[0]:
+        raise reader.error(
+            "search.prompt_lookup_min_ngram",
+            f"reaches {int(shortest[1])}, above the shortest prompt_lookup_ngram searched ({int(longest[0])}): "
+            "a trial could ask for matches shorter than they may be",
+        )
     ratios = table.get("warm_start_skip_ratios", list(defaults.warm_start_skip_ratios))
     if not isinstance(ratios, list) or not all(
         isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < 1 for r in ratios
@@ -259,6 +287,7 @@ def _search(reader: _Reader) -> SearchConfig:
         ranges=ranges,
         warm_start_skip_ratios=tuple(float(r) for r in ratios),
         draft_adapters=_draft_adapters(reader, table, strategy),
+        lookup_corpus=_lookup_corpus(reader, table, ranges),
     )
 
 

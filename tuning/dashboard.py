@@ -12,6 +12,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from hf_selfspec.params import SelfSpecParams
+
 from .storage import StudyContext, display_url, open_storage
 
 
@@ -60,6 +62,13 @@ def _knobs_in_words(params: dict[str, Any]) -> str:
         words.append(f"ends a draft once its confidence falls below {params['draft_exit_threshold']:.2f}")
     if "target_confidence_threshold" in params:
         words.append(f"drafts only after the full model was at least {params['target_confidence_threshold']:.0%} sure")
+    if params.get("prompt_lookup_tokens"):
+        # Studies from before `prompt_lookup_ngram` was a knob used its default.
+        longest = params.get("prompt_lookup_ngram", SelfSpecParams().prompt_lookup_ngram)
+        words.append(
+            f"looks up to {params['prompt_lookup_tokens']} tokens from {params['prompt_lookup_min_ngram']}- to "
+            f"{longest}-token matches"
+        )
     return ", ".join(words)
 
 
@@ -105,6 +114,7 @@ def study_note(study: optuna.Study) -> str:
         f"| Strategy | `{context.strategy}` |",
         f"| Prompts | {context.n_prompts} from `{context.prompt_source}`{offset}, "
         f"{context.max_new_tokens} new tokens each |",
+        *([f"| Lookup corpus | `{context.lookup_corpus_name}` |"] if context.lookup_corpus else []),
         f"| Plain greedy | {context.baseline_tokens_per_second:.1f} tokens/s |",
         f"| Trials | {counts[TrialState.COMPLETE]} complete, {counts[TrialState.PRUNED]} pruned, "
         f"{counts[TrialState.FAIL]} failed |",

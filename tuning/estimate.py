@@ -34,7 +34,8 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_selfspec.cache import DraftAwareCache
-from hf_selfspec.drafters import DecodingState, LayerSkipDrafter, RestrictedDraftHead, lookup_continuation
+from hf_selfspec.drafters import DecodingState, LayerSkipDrafter, RestrictedDraftHead, lookup_proposal
+from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
 from hf_selfspec.layer_skip import LayerSkipper
 from hf_selfspec.measure import timed_generate
 from hf_selfspec.params import SelfSpecParams, resolve_params
@@ -321,6 +322,7 @@ def replay_decode(
     draft_tokens: Sequence[int],
     draft_confidence: Sequence[float],
     cost: CostModel,
+    corpus: LookupCorpus | None = None,
 ) -> tuple[float, StrategyStats]:
     """Replay `speculative_decode` over the known continuation: the estimated seconds and the
     counters a real decode would report."""
@@ -339,11 +341,12 @@ def replay_decode(
         if limit > 0 and backoff.should_speculate():
             if params.prompt_lookup_tokens:
                 text = data.full_text[: prompt_length + committed]
-                proposals = lookup_continuation(
+                proposals = lookup_proposal(
                     text,
                     params.prompt_lookup_min_ngram,
                     params.prompt_lookup_ngram,
                     min(limit, params.prompt_lookup_tokens),
+                    corpus,
                 )
             if not proposals and not is_prefill and gate.should_draft():
                 for row in range(committed - 1, min(committed - 1 + limit, len(draft_tokens))):
@@ -399,9 +402,10 @@ class EstimatedSpeedupObjective:
         except ValueError as error:
             raise optuna.TrialPruned(f"invalid skip set: {error}") from None
         totals, baseline, candidate, tokens = StrategyStats(), 0.0, 0.0, 0
+        corpus = load_lookup_corpus(self.model, params.lookup_corpus) if params.lookup_corpus else None
         for data in self.prompts:
             predicted = draft_predictions(self.model, data, params)
-            seconds, stats = replay_decode(data, params, self.search.strategy, *predicted, self.cost)
+            seconds, stats = replay_decode(data, params, self.search.strategy, *predicted, self.cost, corpus)
             totals.add(stats)
             baseline += plain_seconds(data, self.cost)
             candidate += seconds

@@ -113,7 +113,9 @@ def best_profile(study, context: StudyContext) -> TunedProfile:
         "measured_at": best.datetime_complete.isoformat(timespec="seconds") if best.datetime_complete else None,
         "versions": context.versions,
     }
-    return TunedProfile(context.strategy, decode_params(best.params, context.strategy, context.num_layers), measured)
+    params = decode_params(best.params, context.strategy, context.num_layers)
+    params["lookup_corpus"] = context.lookup_corpus_name  # beside the config, where `export` puts it
+    return TunedProfile(context.strategy, params, measured)
 
 
 def export_profile(storage_url: str, study_name: str, output_dir: str | Path) -> ExportResult:
@@ -134,6 +136,8 @@ def export_profile(storage_url: str, study_name: str, output_dir: str | Path) ->
         raise ExportError(f"{path if path.is_file() else context.model}: {error}") from None
     if profile.params["draft_adapter"]:
         _copy_chosen_adapter(context, profile.params["draft_adapter"], output_dir)
+    if context.lookup_corpus:
+        _copy_measured_file(context.lookup_corpus, context.lookup_corpus_digest, output_dir, "looks up in")
     output_dir.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, data)
     return ExportResult(path, context.device_key, profile)
@@ -148,17 +152,23 @@ def _copy_chosen_adapter(context: StudyContext, file_name: str, output_dir: Path
             f"the best trial drafts with {file_name}, which the study does not record; "
             f"it lists {', '.join(context.draft_adapters) or 'no adapters'}"
         )
-    measured = context.draft_adapter_digests.get(Path(file_name).stem)
+    _copy_measured_file(source, context.draft_adapter_digests.get(Path(file_name).stem), output_dir, "drafts with")
+
+
+def _copy_measured_file(source: str, measured_digest: str | None, output_dir: Path, use: str) -> None:
+    """Copy a file the best trial used (an adapter, a lookup corpus) beside the config, refusing
+    one whose contents are no longer what the study measured."""
+    file_name = Path(source).name
     try:
-        if measured is not None and adapter_digest(source) != measured:
+        if measured_digest and adapter_digest(source) != measured_digest:
             raise ExportError(
-                f"the best trial drafts with {file_name}, but {source} now holds other weights than the study "
-                "measured (retrained since?); tune a new study with it, or put the measured file back"
+                f"the best trial {use} {file_name}, but {source} now holds other contents than the study "
+                "measured (rewritten since?); tune a new study with it, or put the measured file back"
             )
         copy_adapter(source, output_dir)
     except AdapterConflictError as error:
-        raise ExportError(f"the best trial drafts with {file_name}, but {error}") from None
+        raise ExportError(f"the best trial {use} {file_name}, but {error}") from None
     except ValueError as error:
         raise ExportError(
-            f"the best trial drafts with {file_name}, but {error}; put it back, or export on the machine that tuned"
+            f"the best trial {use} {file_name}, but {error}; put it back, or export on the machine that tuned"
         ) from None

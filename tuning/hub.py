@@ -1,5 +1,5 @@
 """Sharing tuned profiles on the Hub, as a pull request by default: the `generation_config.json`
-(with the draft adapters its profiles name), or a folder written by `hf-selfspec package`.
+(with the draft adapters and lookup corpora its profiles name), or a folder written by `hf-selfspec package`.
 
 A pull request is the default because a tuned profile changes how everyone's `generate` runs on
 that hardware; the repository's owners should get to look first. Local files are only read.
@@ -16,7 +16,7 @@ from hf_selfspec.hub.package import (
     bundled_profiles_for_repository,
     check_package_folder,
 )
-from hf_selfspec.profiles import profile_draft_adapters, read_profiles_file
+from hf_selfspec.profiles import profile_files, read_profiles_file
 
 from . import TuningError
 from .export import CONFIG_NAME
@@ -44,7 +44,7 @@ def push_config(
     endpoint: str | None = None,
     token: str | None = None,
 ) -> str:
-    """Upload `config_path` as the repository's `generation_config.json`, with the draft adapters
+    """Upload `config_path` as the repository's `generation_config.json`, with the files (adapters, corpora)
     its profiles name at those names, in one commit; returns the URL of the pull request (or of
     the commit, with `create_pr=False`)."""
     from huggingface_hub import CommitOperationAdd
@@ -52,9 +52,9 @@ def push_config(
     path = Path(config_path)
     if not path.is_file():
         raise PushError(f"{path}: no such file; write it with `hf-selfspec export`")
-    profiles, adapters = _profiles_to_push(path)
+    profiles, named_files = _profiles_to_push(path)
     operations = [CommitOperationAdd(path_in_repo=CONFIG_NAME, path_or_fileobj=path.read_bytes())]
-    for name in adapters:
+    for name in named_files:
         for file in adapter_files(name):
             operations.append(CommitOperationAdd(path_in_repo=file.as_posix(), path_or_fileobj=path.parent / file))
     return _upload(
@@ -80,8 +80,8 @@ def push_folder(
     in that repository (the folder itself is left as it is)."""
     folder = Path(folder)
     check_package_folder(folder, "--folder")
-    profiles, adapters = _profiles_to_push(folder / CONFIG_NAME)  # the folder holds the adapters it names
-    operations = _folder_operations(folder, repo_id if adapters else None)
+    profiles, named_files = _profiles_to_push(folder / CONFIG_NAME)  # the folder holds the files it names
+    operations = _folder_operations(folder, repo_id if named_files else None)
     return _upload(
         profiles,
         repo_id,
@@ -112,16 +112,16 @@ def _folder_operations(folder: Path, adapter_repo: str | None) -> list:
 
 
 def _profiles_to_push(path: Path):
-    """The config's profiles and the draft adapters they name, refusing a config whose profiles
+    """The config's profiles and the files (draft adapters, lookup corpora) they name, refusing a config whose profiles
     would not load once pushed: malformed, or naming an adapter that is not beside it."""
     try:
         profiles = read_profiles_file(path)
-        adapters = profile_draft_adapters(profiles, path.parent)
+        named_files = profile_files(profiles, path.parent)
     except (ValueError, OSError) as error:
         raise PushError(f"{path}: {error}") from None
     if not profiles:
         raise PushError(f"{path} holds no self-speculative profile; write one with `hf-selfspec export`")
-    return profiles, adapters
+    return profiles, named_files
 
 
 def _upload(profiles, repo_id: str, create_pr: bool, endpoint: str | None, token: str | None, send) -> str:

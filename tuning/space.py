@@ -61,13 +61,10 @@ KNOBS: dict[str, Knob] = {
         # Off unless a study opts in with a range: composing prompt lookup with the layer-skip
         # draft, and restricting the draft's LM head, change what the draft costs.
         Knob("prompt_lookup_tokens", int, _fixed_at_default("prompt_lookup_tokens"), (0, None)),
-        # The shortest n-gram match a lookup accepts: at most `prompt_lookup_ngram`, not searched.
-        Knob(
-            "prompt_lookup_min_ngram",
-            int,
-            _fixed_at_default("prompt_lookup_min_ngram"),
-            (1, _DEFAULTS.prompt_lookup_ngram),
-        ),
+        # The shortest n-gram match a lookup accepts, and the longest it tries first (a range for
+        # both must keep the first at most the second; see the config's checks).
+        Knob("prompt_lookup_min_ngram", int, _fixed_at_default("prompt_lookup_min_ngram"), (1, None)),
+        Knob("prompt_lookup_ngram", int, _fixed_at_default("prompt_lookup_ngram"), (1, None)),
         Knob("draft_vocab_size", int, _fixed_at_default("draft_vocab_size"), (0, None)),
         # How often the back-off probes the mode it is not using (0: never back off).
         Knob("backoff_probe_interval", int, _fixed_at_default("backoff_probe_interval"), (0, None)),
@@ -79,6 +76,7 @@ _COMMON_KNOBS = (
     "draft_exit_threshold",
     "prompt_lookup_tokens",
     "prompt_lookup_min_ngram",
+    "prompt_lookup_ngram",
     "draft_vocab_size",
     "backoff_probe_interval",
 )
@@ -113,6 +111,8 @@ def suggest_params(trial: optuna.Trial, search: SearchConfig, num_layers: int) -
     params = decode_params(trial.params, search.strategy, num_layers)
     if search.draft_adapters:
         params["draft_adapter"] = search.draft_adapters[trial.params[ADAPTER_PARAM]]
+    if search.lookup_corpus:
+        params["lookup_corpus"] = search.lookup_corpus
     return params
 
 

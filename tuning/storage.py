@@ -124,11 +124,13 @@ def derive_study_name(config: StudyConfig, device_key: str) -> str:
     Beyond model, device and dtype, the name holds the strategy and the prompt set, because
     speedups measured under different ones are not comparable: a quick run with
     `--n-prompts 2` gets its own study instead of polluting the long one, and re-running the
-    same config resumes the same study.
+    same config resumes the same study. A lookup corpus adds its name (`...:lookup=own-code`):
+    free proposals from it change every trial's speed.
     """
-    return config.study.name or ":".join(
-        (model_label(config.model), config.search.strategy, device_key, prompt_label(config.prompts))
-    )
+    parts = [model_label(config.model), config.search.strategy, device_key, prompt_label(config.prompts)]
+    if config.search.lookup_corpus:
+        parts.append(f"lookup={Path(config.search.lookup_corpus).stem}")
+    return config.study.name or ":".join(parts)
 
 
 def estimated_study_name(measured_name: str) -> str:
@@ -160,6 +162,9 @@ class StudyContext:
     # Each adapter's `adapter_digest`: retraining keeps the name, so only this tells trials of
     # the old weights from those of the new.
     draft_adapter_digests: dict[str, str] = field(default_factory=dict)
+    # The lookup corpus every trial looked up in (where this worker keeps it) and its digest.
+    lookup_corpus: str = ""
+    lookup_corpus_digest: str = ""
 
     # Fields that define the measurement; a resumed study must agree on every one of them. The
     # model's path is left out (workers on other machines keep it elsewhere); its depth is in.
@@ -175,11 +180,17 @@ class StudyContext:
         "max_new_tokens",
         "draft_adapter_names",
         "draft_adapter_digests",
+        "lookup_corpus_name",
+        "lookup_corpus_digest",
     )
 
     @property
     def draft_adapter_names(self) -> list[str]:
         return list(self.draft_adapters)
+
+    @property
+    def lookup_corpus_name(self) -> str:
+        return Path(self.lookup_corpus).name if self.lookup_corpus else ""
 
     def save(self, study: optuna.Study) -> None:
         for key, value in dataclasses.asdict(self).items():
@@ -208,6 +219,11 @@ class StudyContext:
         stored = StudyContext.load(study)
         for key in self.IDENTITY:
             if getattr(stored, key) != getattr(self, key):
+                if key == "lookup_corpus_digest":
+                    raise TuningError(
+                        f"study {study.study_name!r} looked up in other text under the corpus name "
+                        f"{self.lookup_corpus_name} (rewritten since?); pick another [study] name or storage"
+                    )
                 if key == "draft_adapter_digests":
                     raise TuningError(
                         f"study {study.study_name!r} was tuned with other weights under the adapter names "

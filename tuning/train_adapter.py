@@ -107,8 +107,8 @@ class TrainAdapterConfig:
 _MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions")
 
 
-def load_train_config(path: str | Path) -> TrainAdapterConfig:
-    """Parse a train-adapter TOML file strictly (the study config's rules: unknown keys are errors)."""
+def read_toml_config(path: str | Path, sections: set[str]) -> _Reader:
+    """A config file parsed strictly (the study config's rules: unknown sections are errors)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -116,34 +116,39 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
         raise StudyConfigError(f"{path}: no such config") from None
     except tomllib.TOMLDecodeError as error:
         raise StudyConfigError(f"{path}: not valid TOML ({error})") from None
-    sections = {"model", "corpus", "adapter", "training"}
     reader = _Reader(path, data)
     for section in data:
         if section not in sections:
-            raise reader.error(section, f"unknown section; a train-adapter config has {', '.join(sorted(sections))}")
+            raise reader.error(section, f"unknown section; this config has {', '.join(sorted(sections))}")
+    return reader
 
-    def read(section: str, cls):
-        table = reader.section(section, {f.name for f in dataclasses.fields(cls)})
-        values = {}
-        for f in dataclasses.fields(cls):
-            default = getattr(cls(), f.name)
-            if f.name not in table:
-                continue
-            value = table[f.name]
-            if isinstance(default, tuple):
-                if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                    raise reader.error(f"{section}.{f.name}", f"must be a non-empty list of integers, got {value!r}")
-                values[f.name] = tuple(value)
-            elif isinstance(default, bool):
-                if not isinstance(value, bool):
-                    raise reader.error(f"{section}.{f.name}", f"must be true or false, got {value!r}")
-                values[f.name] = value
-            else:
-                kind = float if isinstance(default, float) else int if isinstance(default, int) or default is None else str
-                values[f.name] = reader.get(table, section, f.name, kind, default)
-        return cls(**values)
 
-    corpus, adapter, training = read("corpus", CorpusConfig), read("adapter", AdapterConfig), read("training", TrainingConfig)
+def read_section(reader: _Reader, section: str, cls):
+    """One section as the dataclass `cls`, each key typed after its default (unknown keys are errors)."""
+    table = reader.section(section, {f.name for f in dataclasses.fields(cls)})
+    values = {}
+    for f in dataclasses.fields(cls):
+        default = getattr(cls(), f.name)
+        if f.name not in table:
+            continue
+        value = table[f.name]
+        if isinstance(default, tuple):
+            if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise reader.error(f"{section}.{f.name}", f"must be a non-empty list of integers, got {value!r}")
+            values[f.name] = tuple(value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise reader.error(f"{section}.{f.name}", f"must be true or false, got {value!r}")
+            values[f.name] = value
+        else:
+            kind = float if isinstance(default, float) else int if isinstance(default, int) or default is None else str
+            values[f.name] = reader.get(table, section, f.name, kind, default)
+    return cls(**values)
+
+
+def read_corpus(reader: _Reader) -> CorpusConfig:
+    """The [corpus] section, checked: counts in range, evaluation prompts out of reach."""
+    corpus = read_section(reader, "corpus", CorpusConfig)
     if corpus.humaneval_from is not None and corpus.humaneval_from < FIRST_TRAINABLE_HUMANEVAL:
         raise reader.error(
             "corpus.humaneval_from",
@@ -151,23 +156,29 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
         )
     if not 0 < corpus.heldout_fraction < 1:
         raise reader.error("corpus.heldout_fraction", f"must lie in (0, 1), got {corpus.heldout_fraction}")
-    for section, config, keys in (
-        ("corpus", corpus, ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "prompt_tokens", "stdlib_functions", "chunk_tokens")),
-        ("training", training, ("steps", "batch_chunks", "eval_every", "checkpoint_every")),
-    ):
-        for key in keys:
-            if getattr(config, key) < (0 if key in _MAY_BE_ZERO else 1):
-                raise reader.error(f"{section}.{key}", f"must be positive, got {getattr(config, key)}")
-    if not training.lr > 0:
-        raise reader.error("training.lr", f"must be positive, got {training.lr}")
+    for key in ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "prompt_tokens", "stdlib_functions", "chunk_tokens"):
+        if getattr(corpus, key) < (0 if key in _MAY_BE_ZERO else 1):
+            raise reader.error(f"corpus.{key}", f"must be positive, got {getattr(corpus, key)}")
     for key in ("stdlib_prompts", "stdlib_functions"):
         if getattr(corpus, key) and not corpus.generated_tokens:
             raise reader.error(f"corpus.{key}", "needs generated_tokens > 0: the prompts are there to be continued")
+    return corpus
+
+
+def load_train_config(path: str | Path) -> TrainAdapterConfig:
+    """Parse a train-adapter TOML file strictly (unknown sections and keys are errors)."""
+    reader = read_toml_config(path, {"model", "corpus", "adapter", "training"})
+    corpus, adapter, training = read_corpus(reader), read_section(reader, "adapter", AdapterConfig), read_section(reader, "training", TrainingConfig)
+    for key in ("steps", "batch_chunks", "eval_every", "checkpoint_every"):
+        if getattr(training, key) < 1:
+            raise reader.error(f"training.{key}", f"must be positive, got {getattr(training, key)}")
+    if not training.lr > 0:
+        raise reader.error("training.lr", f"must be positive, got {training.lr}")
     try:
         adapter.name.format(exit_layer=0)
     except (KeyError, IndexError, ValueError):
         raise reader.error("adapter.name", "may use only the {exit_layer} placeholder") from None
-    return TrainAdapterConfig(path, _model(reader), corpus, adapter, training)
+    return TrainAdapterConfig(reader.path, _model(reader), corpus, adapter, training)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,24 +282,45 @@ def generated_texts(model, tokenizer, prompts: list[list[int]], corpus: CorpusCo
     return done
 
 
-def corpus_chunks(tokenizer, corpus: CorpusConfig, model=None, cache_dir: Path | None = None, show_progress: bool = False) -> torch.Tensor:
+def split_stdlib_stream(tokenizer, corpus: CorpusConfig) -> tuple[list[int], list[int]]:
+    """One pass over the standard library: the teacher-forced text, then (when generating) the
+    windows to continue, from beyond it so the two parts do not repeat each other."""
+    window_tokens = corpus.stdlib_prompts * corpus.prompt_tokens if corpus.generated_tokens else 0
+    stream = _stdlib_token_ids(tokenizer, corpus.stdlib_tokens + window_tokens)
+    return stream[: corpus.stdlib_tokens], stream[corpus.stdlib_tokens :]
+
+
+def generation_prompts(tokenizer, corpus: CorpusConfig, windows: list[int]) -> list[list[int]]:
+    """What the model continues: the chosen HumanEval prompts, the standard-library `windows`
+    cut into `prompt_tokens` pieces, and `stdlib_functions` functions given their docstring."""
+    problems = humaneval_problems(corpus.humaneval_from) if corpus.humaneval_from is not None else []
+    prompts = [tokenizer(problem["prompt"])["input_ids"] for problem in problems]
+    prompts += [windows[i : i + corpus.prompt_tokens] for i in range(0, len(windows) - corpus.prompt_tokens + 1, corpus.prompt_tokens)]
+    prompts += [tokenizer(prompt)["input_ids"] for prompt in stdlib_function_prompts(corpus.stdlib_functions)]
+    return prompts
+
+
+def generated_text_file(model: ModelConfig, corpus: CorpusConfig) -> Path:
+    """Where the model's continuations for this corpus are kept: one file per model and corpus,
+    shared by every command that reads the same [model] and [corpus] (an adapter and a lookup
+    corpus made from one config generate once)."""
+    generation = {k: v for k, v in dataclasses.asdict(corpus).items() if k not in ("chunk_tokens", "heldout_fraction")}
+    key = hashlib.sha1(json.dumps([dataclasses.asdict(model), generation], sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "generated-text" / key / "generated.pt"
+
+
+def corpus_chunks(tokenizer, corpus: CorpusConfig, model=None, generated_file: Path | None = None, show_progress: bool = False) -> torch.Tensor:
     """`[n, chunk_tokens]` token ids: `stdlib_tokens` of standard-library text, then the chosen
     HumanEval problems (their canonical solutions, or with `generated_tokens` the model's own
     continuations of their prompts), then the model's continuations of standard-library windows
     and functions;
-    each text ended by EOS, concatenated and cut. Generation needs `model` and `cache_dir`."""
-    # One pass over the standard library: the teacher-forced text, then (when generating) the
-    # windows to continue, from beyond it so the two parts do not repeat each other.
-    window_tokens = corpus.stdlib_prompts * corpus.prompt_tokens if corpus.generated_tokens else 0
-    stream = _stdlib_token_ids(tokenizer, corpus.stdlib_tokens + window_tokens)
-    ids, windows = stream[: corpus.stdlib_tokens], stream[corpus.stdlib_tokens :]
-    problems = humaneval_problems(corpus.humaneval_from) if corpus.humaneval_from is not None else []
+    each text ended by EOS, concatenated and cut. Generation needs `model` and `generated_file`."""
+    ids, windows = split_stdlib_stream(tokenizer, corpus)
     if corpus.generated_tokens:
-        prompts = [tokenizer(problem["prompt"])["input_ids"] for problem in problems]
-        prompts += [windows[i : i + corpus.prompt_tokens] for i in range(0, len(windows) - corpus.prompt_tokens + 1, corpus.prompt_tokens)]
-        prompts += [tokenizer(prompt)["input_ids"] for prompt in stdlib_function_prompts(corpus.stdlib_functions)]
-        texts = generated_texts(model, tokenizer, prompts, corpus, cache_dir / "generated.pt", show_progress)
+        prompts = generation_prompts(tokenizer, corpus, windows)
+        texts = generated_texts(model, tokenizer, prompts, corpus, generated_file, show_progress)
     else:
+        problems = humaneval_problems(corpus.humaneval_from) if corpus.humaneval_from is not None else []
         texts = [tokenizer(problem["prompt"] + problem["canonical_solution"])["input_ids"] for problem in problems]
     ids += [i for text in texts for i in text + [tokenizer.eos_token_id]]
     usable = len(ids) // corpus.chunk_tokens * corpus.chunk_tokens
@@ -334,7 +366,8 @@ def teacher_outputs(model, chunks: torch.Tensor, exit_layers: tuple[int, ...], c
 
 def work_dir(config: TrainAdapterConfig) -> Path:
     """Where the teacher's outputs and the checkpoints live (hundreds of MB, so in the user
-    cache, not beside the adapter): one directory per model, corpus and training recipe. The
+    cache, not beside the adapter): one directory per model, corpus and training recipe (the
+    generated text is kept apart, in `generated_text_file`). The
     step count is not part of it, so a finished run can be extended by raising `steps`."""
     recipe = [
         dataclasses.asdict(config.model), dataclasses.asdict(config.corpus), config.adapter.mlp,
@@ -454,7 +487,7 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True) ->
             check_exit_layer(exit_layer, num_layers, f"{config.path}: adapter.exit_layers")
         except ValueError as error:
             raise StudyConfigError(str(error)) from None
-    chunks = corpus_chunks(tokenizer, config.corpus, model, work_dir(config), show_progress)
+    chunks = corpus_chunks(tokenizer, config.corpus, model, generated_text_file(config.model, config.corpus), show_progress)
     teacher = teacher_outputs(model, chunks, config.adapter.exit_layers, work_dir(config) / "teacher.pt", show_progress)
     results = []
     for exit_layer in config.adapter.exit_layers:

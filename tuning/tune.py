@@ -194,6 +194,8 @@ def run_tune(
         versions=library_versions(),
         draft_adapters=config.search.draft_adapters,
         draft_adapter_digests={name: adapter_digest(path) for name, path in config.search.draft_adapters.items()},
+        lookup_corpus=config.search.lookup_corpus,
+        lookup_corpus_digest=adapter_digest(config.search.lookup_corpus) if config.search.lookup_corpus else "",
     )
     check_adapters_fit(config.search, model)
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..adapter import anchor_draft_adapter
+from ..adapter import anchor_profile_files
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
 from ..profiles import TunedProfile, device_profile_key, read_profiles, read_profiles_file
@@ -79,7 +79,7 @@ def default_params(model) -> dict[str, Any]:
 def _profile_params(model, profile: TunedProfile, config_dir: Path | None = None) -> dict[str, Any]:
     """A profile's parameters completed and validated exactly as `generate` would (a draft
     adapter's file name resolved against the profile's directory, as `generate` resolves it)."""
-    return resolve_params(_num_layers(model), anchor_draft_adapter(model, profile.params, config_dir)).as_dict()
+    return resolve_params(_num_layers(model), anchor_profile_files(model, profile.params, config_dir)).as_dict()
 
 
 def compared_profile_contender(model, config_path: str | Path) -> Contender:

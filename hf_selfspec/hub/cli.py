@@ -10,7 +10,7 @@ from pathlib import Path
 DESCRIPTION = """\
 Write DIR so that transformers alone runs the tuned profiles of a generation_config.json:
   DIR/generation_config.json    the config, profiles included
-  DIR/NAME.safetensors, .json   the draft adapters its profiles name, at the same relative names
+  DIR/NAME.safetensors, .json   the draft adapters and lookup corpora its profiles name, at the same relative names
   DIR/custom_generate/          generate.py, the decoding core it imports (copied from the
                                 installed hf-selfspec), the profiles as a Python module and
                                 requirements.txt

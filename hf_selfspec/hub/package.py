@@ -20,11 +20,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..adapter import check_adapter_copy, copy_adapter, hub_adapter_address
+from ..adapter import check_adapter_copy, copy_adapter, hub_file_address
+from ..params import PATH_KEYS
 from ..profiles import (
     PROFILE_KEY,
     TunedProfile,
-    profile_draft_adapters,
+    profile_files,
     read_config_json,
     read_profiles,
     read_profiles_file,
@@ -54,7 +55,7 @@ class PackageResult:
     folder: Path
     profiles: dict[str, TunedProfile]
     modules: list[str]  # the files of custom_generate/, generate.py first
-    adapters: list[str]  # the draft adapters copied beside the config, as its profiles name them
+    profile_files: list[str]  # draft adapters and lookup corpora copied beside the config, as its profiles name them
 
 
 def core_modules() -> list[str]:
@@ -99,7 +100,7 @@ def check_package_folder(folder: str | Path, option: str) -> None:
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """The config's contents, and the draft adapters its profiles name (each found beside it)."""
+    """The config's contents, and the files its profiles name (each found beside it)."""
     if not path.is_file():
         raise PackageError(f"--config {path}: no such file; write one with `hf-selfspec export`")
     try:
@@ -118,10 +119,10 @@ def _read_config(path: Path) -> tuple[dict[str, Any], list[str]]:
     if not profiles:
         raise PackageError(f"--config {path} holds no {PROFILE_KEY} profile; write one with `hf-selfspec export`")
     try:
-        adapters = profile_draft_adapters(profiles, path.parent)
+        files = profile_files(profiles, path.parent)
     except ValueError as error:
         raise PackageError(f"--config {path}: {error}") from None
-    return data, adapters
+    return data, files
 
 
 def _bundled_profiles_source(profiles: dict[str, TunedProfile]) -> str:
@@ -143,8 +144,10 @@ def bundled_profiles_for_repository(folder: str | Path, repo_id: str) -> str:
 
     profiles = read_profiles_file(Path(folder) / GENERATION_CONFIG_NAME)
     addressed = {
-        key: dataclasses.replace(profile, params={**profile.params, "draft_adapter": hub_adapter_address(repo_id, name)})
-        if (name := profile.params.get("draft_adapter")) else profile
+        key: dataclasses.replace(
+            profile,
+            params={**profile.params, **{k: hub_file_address(repo_id, profile.params[k]) for k in PATH_KEYS if profile.params.get(k)}},
+        )
         for key, profile in profiles.items()
     }
     return _bundled_profiles_source(addressed)
@@ -220,17 +223,17 @@ def _write_card(path: Path, section: str) -> None:
 
 def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
     """Write `output_dir` (created if missing; it may be the model's own directory): the config,
-    the draft adapters its profiles name (at the same relative names), `custom_generate/`
+    the files its profiles name (draft adapters, lookup corpora; at the same relative names), `custom_generate/`
     (replaced whole) and our section of `README.md`; nothing else changes."""
     from transformers.utils import GENERATION_CONFIG_NAME
 
     config_path, output_dir = Path(config_path), Path(output_dir)
-    data, adapters = _read_config(config_path)
+    data, named_files = _read_config(config_path)
     if output_dir.exists() and not output_dir.is_dir():
         raise PackageError(f"--output {output_dir} is a file; give the directory to write the package into")
     modules = core_modules()
     target = output_dir / CUSTOM_GENERATE_DIR
-    for name in adapters:  # before anything is written
+    for name in named_files:  # before anything is written
         try:
             check_adapter_copy(config_path.parent / name, (output_dir / name).parent)
         except ValueError as error:
@@ -239,7 +242,7 @@ def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
         output_dir.mkdir(parents=True, exist_ok=True)
         config_file = output_dir / GENERATION_CONFIG_NAME
         config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        for name in adapters:
+        for name in named_files:
             copy_adapter(config_path.parent / name, (output_dir / name).parent)
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir()
@@ -253,14 +256,14 @@ def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
     except OSError as error:
         raise PackageError(f"--output {output_dir}: cannot write it ({error.strerror or error})") from None
     files = [f"{ENTRY_MODULE}.py", f"{BUNDLED_PROFILES_MODULE}.py", *(f"{name}.py" for name in modules)]
-    return PackageResult(output_dir, profiles, files, adapters)
+    return PackageResult(output_dir, profiles, files, named_files)
 
 
 def summary(result: PackageResult) -> str:
-    adapters = "".join(f"{name} (draft adapter), " for name in result.adapters)
+    named = "".join(f"{name}, " for name in result.profile_files)
     return (
         f"Wrote {result.folder}: generation_config.json (profiles for {', '.join(sorted(result.profiles))}), "
-        f"{adapters}custom_generate/ ({len(result.modules)} Python files), README.md\n"
+        f"{named}custom_generate/ ({len(result.modules)} Python files), README.md\n"
         f'Use it with transformers alone: model.generate(**inputs, custom_generate="{result.folder}", '
         "trust_remote_code=True)"
     )

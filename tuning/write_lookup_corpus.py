@@ -1,0 +1,91 @@
+"""`hf-selfspec write-lookup-corpus`: the model's own greedy continuations as a lookup corpus.
+
+The model continues prompts that ship with the installed packages (HumanEval problems from 40
+on, standard-library windows and functions: the [corpus] section of a train-adapter config,
+whose rules keep every evaluation prompt out), and what it wrote becomes the corpus that prompt
+lookup continues into when the current text has no match. A config that also trains an
+adapter generates this text once for both (see `generated_text_file`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hf_selfspec.adapter import adapter_files
+from hf_selfspec.loading import load_model_and_tokenizer
+from hf_selfspec.lookup_corpus import save_lookup_corpus
+
+from .config import ModelConfig, _model
+from .train_adapter import (
+    CorpusConfig,
+    split_stdlib_stream,
+    generated_text_file,
+    generated_texts,
+    generation_prompts,
+    read_corpus,
+    read_section,
+    read_toml_config,
+)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    name: str = "lookup-corpus"
+    output_dir: str = "."
+
+
+@dataclass(frozen=True)
+class LookupCorpusConfig:
+    path: Path
+    model: ModelConfig
+    corpus: CorpusConfig
+    output: OutputConfig
+
+    @property
+    def corpus_path(self) -> Path:
+        return (self.path.parent / self.output.output_dir / f"{self.output.name}.safetensors").resolve()
+
+
+def load_lookup_corpus_config(path: str | Path) -> LookupCorpusConfig:
+    reader = read_toml_config(path, {"model", "corpus", "output"})
+    corpus, output = read_corpus(reader), read_section(reader, "output", OutputConfig)
+    if not corpus.generated_tokens:
+        raise reader.error("corpus.generated_tokens", "must be positive: a lookup corpus is text the model wrote itself")
+    if not output.name or "/" in output.name:
+        raise reader.error("output.name", f"must be a file stem, got {output.name!r}")
+    return LookupCorpusConfig(reader.path, _model(reader), corpus, output)
+
+
+def _describe(config: LookupCorpusConfig, texts: int) -> str:
+    corpus = config.corpus
+    sources = []
+    if corpus.humaneval_from is not None:
+        sources.append(f"HumanEval prompts {corpus.humaneval_from} on")
+    if corpus.stdlib_prompts:
+        sources.append(f"{corpus.stdlib_prompts} standard-library windows of {corpus.prompt_tokens} tokens")
+    if corpus.stdlib_functions:
+        sources.append(f"{corpus.stdlib_functions} standard-library functions cut after their docstring")
+    return (
+        f"{texts} prompts each followed by the greedy continuation (up to {corpus.generated_tokens} tokens) of "
+        f"{config.model.name} in {config.model.dtype}: {'; '.join(sources)}"
+    )
+
+
+def run_write_lookup_corpus(config: LookupCorpusConfig, show_progress: bool = True) -> tuple[Path, str]:
+    """Generate (or reuse) the continuations and write the corpus; `(file written, description)`."""
+    model, tokenizer = load_model_and_tokenizer(
+        config.model.name, config.model.gguf_file, config.model.dtype, config.model.device
+    )
+    _, windows = split_stdlib_stream(tokenizer, config.corpus)
+    prompts = generation_prompts(tokenizer, config.corpus, windows)
+    texts = generated_texts(
+        model, tokenizer, prompts, config.corpus, generated_text_file(config.model, config.corpus), show_progress
+    )
+    description = _describe(config, len(texts))
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    return save_lookup_corpus(texts, config.corpus_path, vocab_size, description), description
+
+
+def describe_result(path: Path, description: str) -> str:
+    return f"wrote {path} and {adapter_files(path)[1].name}: {description}"
