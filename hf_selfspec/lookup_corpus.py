@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapter import adapter_files, existing_adapter_files
+from .adapter import HUB_ADDRESS_PREFIX, adapter_files, existing_adapter_files, fetch_hub_file_pair
 
 CORPUS_FORMAT = "hf-selfspec-lookup-corpus/1"
 SEPARATOR = -1
@@ -152,8 +152,6 @@ def _read_lookup_corpus(tokens_path: str, modified_ns: int, vocab_size: int) -> 
 def load_lookup_corpus(model: nn.Module, path: str | Path) -> LookupCorpus:
     """The corpus at `path` (a Hub address is fetched first), checked against the model's
     vocabulary; read and indexed once a process for as long as the file is unchanged."""
-    from .adapter import HUB_ADDRESS_PREFIX, fetch_hub_file_pair
-
     if str(path).startswith(HUB_ADDRESS_PREFIX):
         path = fetch_hub_file_pair(str(path), "lookup corpus")
     tokens_path, _ = existing_adapter_files(path, what="lookup corpus")
