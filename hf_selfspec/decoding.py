@@ -99,11 +99,10 @@ def speculative_decode(
         stats.verify_seconds += verified - drafting_ended
 
         # Accept
-        committed, finished = _commit(state, verdict, stopping_criteria)
+        committed, finished = _commit(state, verdict, stopping_criteria, kept_scores if keep_scores else None)
         if streamer is not None:
             streamer.put(sequence[0, state.length - committed : state.length].cpu())
         if keep_scores:
-            kept_scores.extend(verdict.scores[:committed, None])
             kept_logits.extend(verdict.logits[:committed, None])
 
         # Roll back: keep the KV of every committed token but the newest, which has none yet
@@ -121,12 +120,19 @@ def speculative_decode(
     return DecodeResult(sequence[:, : state.length].clone(), stats, tuple(kept_scores), tuple(kept_logits))
 
 
-def _commit(state: DecodingState, verdict: Verdict, stopping_criteria: StoppingCriteriaList) -> tuple[int, bool]:
-    """Append the verdict's tokens one by one, stopping exactly where plain decoding would."""
+def _commit(
+    state: DecodingState, verdict: Verdict, stopping_criteria: StoppingCriteriaList, kept_scores: list[torch.Tensor] | None
+) -> tuple[int, bool]:
+    """Append the verdict's tokens one by one, stopping exactly where plain decoding would. As in
+    plain decoding, the criteria see the scores kept so far, so one that reads the newest token's
+    scores (transformers' `ConfidenceCriteria`) works when scores are kept."""
     for count, token in enumerate(verdict.tokens, start=1):
         state.sequence[0, state.length] = token
         state.length += 1
-        if bool(stopping_criteria(state.sequence[:, : state.length], None).any()):
+        if kept_scores is not None:
+            kept_scores.append(verdict.scores[count - 1, None])
+        scores = None if kept_scores is None else tuple(kept_scores)
+        if bool(stopping_criteria(state.sequence[:, : state.length], scores).any()):
             return count, True
     return len(verdict.tokens), False
 

@@ -55,6 +55,10 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     def setting(name: str, default=None):
         return kwargs[name] if name in kwargs else getattr(config, name, default)
 
+    if setting("is_assistant", False):
+        # transformers' assisted decoding (its early exit among them) drafts with this model and
+        # reads one score per drafted token from it: its loop, not ours, decides the speculation.
+        return "draft for transformers' assisted decoding (the model is its assistant)"
     if (setting("num_beams", 1) or 1) > 1:
         return "run beam search (num_beams > 1)"
     if setting("cache_implementation") not in (None, "dynamic"):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
+from transformers.generation.stopping_criteria import ConfidenceCriteria
 
 import hf_selfspec
 from hf_selfspec import ExitPolicy, SelfSpecMixin, Strategy
@@ -96,3 +97,20 @@ def test_strategy_stats_accumulate_counts_not_rates():
     assert total.acceptance_rate == 0.4  # 4 of 10 drafted, not the mean of 100% and 0%
     assert total.mean_accepted_length == 4 / 3
     assert total.verification_steps == 3
+
+
+def test_a_stopping_criterion_that_reads_scores_stops_where_plain_stops():
+    model = tiny_model("llama", initializer_range=0.3)
+    kept = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    full = model.generate(PROMPT, **kept)
+    new_tokens = full.sequences[0, PROMPT.shape[1]:]
+    chosen = [float(scores[0].softmax(-1)[token]) for scores, token in zip(full.scores, new_tokens)][:16]
+    lowest, next_lowest = sorted(chosen)[:2]
+    # The newest token's probability falls under this first at the least likely of the first 16.
+    criterion = ConfidenceCriteria((lowest + next_lowest) / 2)
+    stops = dict(kept, stopping_criteria=StoppingCriteriaList([criterion]))
+    plain = model.generate(PROMPT, **stops)
+    ours = model.generate(PROMPT, **stops, strategy="self_speculative", attn_skip_layers=[1], mlp_skip_layers=[])
+    assert plain.sequences.shape[1] == PROMPT.shape[1] + chosen.index(lowest) + 1
+    assert ours.sequences.tolist() == plain.sequences.tolist()
+    assert ours.strategy_stats.drafted_tokens > 0

@@ -98,3 +98,18 @@ def test_invalid_profile_in_config_is_reported_on_generate():
     model.generation_config.self_speculative = {"cpu/float32": {"strategy": "self_speculative", "params": {"s1": 1}}}
     with pytest.raises(ValueError, match="unknown self-speculative parameter 's1'"):
         model.generate(PROMPT, max_new_tokens=5, do_sample=False)
+
+
+def test_a_profiled_model_serves_plainly_as_transformers_own_early_exit_assistant():
+    # transformers' early exit calls generate on this same model, as its assistant, with a
+    # confidence stopping rule; the profile must not take that inner call over.
+    model = tiny_model("llama", initializer_range=0.3)
+    write_profile(model.generation_config, "cpu/float32", CPU_PROFILE)
+    model.generation_config.assistant_confidence_threshold = 0.4
+    plain = model.generate(PROMPT, max_new_tokens=20, do_sample=False, strategy="plain")
+    early_exit = model.generate(PROMPT, max_new_tokens=20, do_sample=False, strategy="plain", assistant_early_exit=2)
+    assert early_exit.tolist() == plain.tolist()
+    as_assistant = model.generate(PROMPT, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                                  output_scores=True, is_assistant=True)
+    assert as_assistant.get("strategy_stats") is None
+    assert model.generate(PROMPT, max_new_tokens=5, do_sample=False, return_dict_in_generate=True).strategy_stats

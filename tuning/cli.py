@@ -239,12 +239,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the hidden state after the model's first exit_layer layers to the full model's next-token distribution, "
         "teacher-forced on a corpus of text that ships with the installed packages (the standard library's "
         "sources, optionally HumanEval problems 40 onwards) and, with generated_tokens, on the model's own "
-        "greedy continuations of HumanEval prompts and standard-library windows. Writes NAME.safetensors and NAME.json into the "
+        "greedy continuations of HumanEval prompts and standard-library windows or functions. Writes NAME.safetensors and NAME.json into the "
         "config's output_dir, beside the generation_config.json whose profile will name the file. The generated "
         "text, the model's pass over the corpus and a checkpoint every checkpoint_every steps are kept in the user cache, so a "
         "killed run resumes where it stopped and ends exactly as an uninterrupted one with the same seed.",
         epilog="Config sections (all optional): [model] name, dtype, device; [corpus] stdlib_tokens, "
-        "humaneval_from, generated_tokens, stdlib_prompts, prompt_tokens, chunk_tokens, heldout_fraction; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
+        "humaneval_from, generated_tokens, stdlib_prompts, stdlib_functions, prompt_tokens, chunk_tokens, heldout_fraction; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
         "output_dir (relative to the config); [training] steps, batch_chunks, lr, seed, vocab_size, eval_every, "
         "checkpoint_every. Example: studies/tuned/smollm2-135m-instruct/kangaroo-train.toml",
     )
