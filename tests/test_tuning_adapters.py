@@ -65,28 +65,26 @@ def test_the_config_finds_the_adapters_relative_to_itself(adapters, tiny_llama_d
 
 
 @pytest.mark.parametrize(
-    "listed, strategy, study, words",
+    "listed, strategy, words",
     [
-        (["adapters/absent"], "kangaroo", "", "absent.safetensors is missing"),
-        (["adapters/not-an-adapter"], "kangaroo", "", "not a draft adapter description"),
-        ([], "kangaroo", "", "strategy 'kangaroo' drafts only with a trained adapter"),
-        ("adapters/adapter-1-1", "kangaroo", "", "must be a list of adapter files"),
-        (["adapters/adapter-1-1", "adapter-1-1"], "self_speculative", "", "two adapters are named 'adapter-1-1'"),
-        (["adapters/adapter-1-1"], "kangaroo", 'objective = "estimated"', 'needs objective = "measured"'),
+        (["adapters/absent"], "kangaroo", "absent.safetensors is missing"),
+        (["adapters/not-an-adapter"], "kangaroo", "not a draft adapter description"),
+        ([], "kangaroo", "strategy 'kangaroo' drafts only with a trained adapter"),
+        ("adapters/adapter-1-1", "kangaroo", "must be a list of adapter files"),
+        (["adapters/adapter-1-1", "adapter-1-1"], "self_speculative", "two adapters are named 'adapter-1-1'"),
     ],
-    ids=["missing", "not-an-adapter", "none-for-kangaroo", "not-a-list", "same-name", "estimated"],
+    ids=["missing", "not-an-adapter", "none-for-kangaroo", "not-a-list", "same-name"],
 )
-def test_a_bad_adapter_list_names_the_file_and_the_key(adapters, tiny_llama_dir, tmp_path, listed, strategy, study, words):
+def test_a_bad_adapter_list_names_the_file_and_the_key(adapters, tiny_llama_dir, tmp_path, listed, strategy, words):
     shutil.copytree(adapters / "adapters", tmp_path / "adapters")
     shutil.copy(tmp_path / "adapters" / "adapter-1-1.safetensors", tmp_path / "adapter-1-1.safetensors")
     shutil.copy(tmp_path / "adapters" / "adapter-1-1.json", tmp_path / "adapter-1-1.json")
     (tmp_path / "adapters" / "not-an-adapter.safetensors").write_bytes(b"")
     (tmp_path / "adapters" / "not-an-adapter.json").write_text('{"layers": 3}')
-    path = _adapter_study_config(tmp_path, tiny_llama_dir, listed, strategy=strategy, study=study)
+    path = _adapter_study_config(tmp_path, tiny_llama_dir, listed, strategy=strategy)
     with pytest.raises(StudyConfigError) as error:
         load_study_config(path)
-    key = "study.objective" if study else "search.draft_adapters"
-    assert str(error.value).startswith(f"{path}: {key}:"), error.value
+    assert str(error.value).startswith(f"{path}: search.draft_adapters:"), error.value
     assert words in str(error.value)
 
 
@@ -108,6 +106,23 @@ def test_an_adapter_study_chooses_the_adapter_instead_of_a_skip_set(adapters, ti
         study.tell(trial, 1.0)
     assert chosen == {"adapter-1-1", "adapter-2-1"}
     assert [t[ADAPTER_PARAM] for t in warm_start_trials(search, num_layers=4)] == ["adapter-1-1", "adapter-2-1"]
+
+
+def test_an_estimated_adapter_study_confirms_its_best_estimate_by_real_decoding(adapters, tiny_llama_dir, tmp_path):
+    shutil.copytree(adapters / "adapters", tmp_path / "adapters")
+    config = load_study_config(_adapter_study_config(
+        tmp_path, tiny_llama_dir, ["adapters/adapter-1-1", "adapters/adapter-2-1"],
+        study='objective = "estimated"\nconfirm_top = 1',
+    ))  # fmt: skip
+    outcome = run_tune(config, n_trials=N_TRIALS, show_progress=False)
+    estimated = outcome.study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(estimated) == N_TRIALS and {t.params[ADAPTER_PARAM] for t in estimated} == {"adapter-1-1", "adapter-2-1"}
+    assert all(t.user_attrs["objective"] == "estimated" and t.user_attrs["draft_adapter"] == t.params[ADAPTER_PARAM]
+               for t in estimated)  # fmt: skip
+    best = max(estimated, key=lambda trial: trial.value)
+    confirmed = outcome.confirmed.get_trials(states=(TrialState.COMPLETE,))
+    assert [trial.params for trial in confirmed] == [best.params]
+    assert confirmed[0].user_attrs["estimated_speedup"] == best.value
 
 
 @pytest.fixture(scope="module")

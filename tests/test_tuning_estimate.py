@@ -15,6 +15,7 @@ from hf_selfspec.layer_skip import LayerSkipper
 from hf_selfspec.params import resolve_params
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
+from test_kangaroo import _random_adapter
 from tiny_models import NUM_LAYERS, tiny_model
 from hf_selfspec.tuning.config import StudyConfigError, load_study_config
 from hf_selfspec.tuning.estimate import CostModel, check_supported, draft_predictions, replay_decode, teacher_force
@@ -82,6 +83,41 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
         assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
         replayed_steps += replayed.verification_steps
     assert replayed_steps > 0
+
+
+@pytest.mark.parametrize("exit_layer, mlp, draft_vocab_size", [(1, True, 0), (2, False, 24)])
+def test_replay_counts_what_decoding_with_a_trained_adapter_does(sharp_llama, tmp_path, exit_layer, mlp, draft_vocab_size):
+    """An adapter drafts from the full model's own shallow layers, so as long as its tokens are
+    right, the one pass over the text predicts exactly what a real draft proposes next: the
+    replay matches a real decode step for step, rejections included (no exit threshold, so the
+    drafted counts must match too)."""
+    adapter = _random_adapter(sharp_llama, exit_layer, tmp_path, mlp=mlp)
+    params = resolve_params(NUM_LAYERS, {
+        "draft_adapter": adapter, "max_draft_tokens": 4, "draft_exit_threshold": 0.0,
+        "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0,
+    })  # fmt: skip
+    accepted = drafted = 0
+    for seed, length in enumerate((5, 11, 17)):
+        prompt = _prepared(sharp_llama, length, seed)
+        data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
+        _, replayed = replay_decode(data, params, "kangaroo", *draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS))
+        real = sharp_llama.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    strategy="kangaroo", return_dict_in_generate=True,
+                                    **params.as_dict()).strategy_stats
+        assert replayed.accepted_lengths == real.accepted_lengths, seed
+        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
+        accepted, drafted = accepted + replayed.accepted_tokens, drafted + replayed.drafted_tokens
+    assert 0 < accepted < drafted  # both acceptances and rejections were replayed
+
+
+def test_an_adapter_draft_is_priced_as_the_layers_below_its_exit_and_one_more_block(tmp_path):
+    """Attention and MLP priced apart (1 and 10 units), so the sum says which ran: every layer
+    below the exit whole, then the adapter's attention and, if it has one, its MLP."""
+    model = tiny_model("llama")
+    cost = CostModel(NUM_LAYERS, (0.0,) * 16, 0.0, 0.0, 1.0, 10.0, 0.0, 0.0)
+    for exit_layer, mlp, units in ((1, True, 2 + 20), (2, False, 3 + 20), (3, True, 4 + 40)):
+        params = resolve_params(NUM_LAYERS, {"draft_adapter": _random_adapter(model, exit_layer, tmp_path, mlp=mlp)})
+        assert cost.draft_token_seconds(params) == units, (exit_layer, mlp)
 
 
 def test_replay_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):

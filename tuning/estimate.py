@@ -11,10 +11,13 @@ noise, which the sampler needs more than it needs the last few percent of accura
 
 The pass masks attention so that the draft at each position reads the full model's KV for the
 text before it, as a real draft does for committed text; its first proposal after every prefix
-is therefore exact. What is approximated: a real draft's second and later tokens read the KV of
-its own earlier draft tokens, here the full model's; exit and gate decisions after a rejected
-token use teacher-forced confidences; logits processors are not applied; and the cost model is
-only as steady as the machine was while it was timed. So the estimate ranks trials; the top
+is therefore exact. A trained adapter's draft (Kangaroo) is exact further: its shallow layers
+are the full model's own, so while its earlier tokens are right its later ones read exactly the
+text the pass gives them. What is approximated: a layer-skip draft's second and later tokens
+read the KV of its own earlier draft tokens, here the full model's; exit and gate decisions
+after a rejected token use teacher-forced confidences; logits processors are not applied; an
+adapter's draft is priced from the per-layer costs, not timed; and the cost model is only as
+steady as the machine was while it was timed. So the estimate ranks trials; the top
 ones are then confirmed by real decoding (`confirm_top`), and only measured speedups are
 reported as such.
 """
@@ -25,7 +28,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -33,10 +36,11 @@ import optuna
 import torch
 from transformers import LogitsProcessorList
 
+from hf_selfspec.adapter import load_adapter, read_adapter_shape
 from hf_selfspec.cache import DraftAwareCache
 from hf_selfspec.drafters import DecodingState, LayerSkipDrafter, RestrictedDraftHead, lookup_proposal
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
-from hf_selfspec.layer_skip import LayerSkipper
+from hf_selfspec.layer_skip import LayerSkipper, decoder_layers
 from hf_selfspec.measure import timed_generate
 from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy
@@ -89,8 +93,14 @@ class CostModel:
     loop_step_overhead: float = 0.0
 
     def draft_token_seconds(self, params: SelfSpecParams) -> float:
-        attention_run = self.num_layers - len(params.attn_skip_layers)
-        mlp_run = self.num_layers - len(params.mlp_skip_layers)
+        """A trained adapter's draft runs the layers below its exit whole and bypasses the rest,
+        and its own block is one more layer of the same shapes (with or without its MLP)."""
+        if params.draft_adapter:
+            shape = read_adapter_shape(params.draft_adapter)
+            attention_run, mlp_run = shape.exit_layer + 1, shape.exit_layer + int(shape.mlp)
+        else:
+            attention_run = self.num_layers - len(params.attn_skip_layers)
+            mlp_run = self.num_layers - len(params.mlp_skip_layers)
         seconds = self.draft_constant + attention_run * self.attention_seconds + mlp_run * self.mlp_seconds
         if params.draft_vocab_size:
             seconds += self.restricted_head_constant + params.draft_vocab_size * self.restricted_head_per_row
@@ -113,6 +123,8 @@ class TeacherForcedPrompt:
     cache: DraftAwareCache  # full-model KV of full_text[:-1]; rolled back to that after every use
     prefill_seconds: float
     max_new_tokens: int
+    # exit layer -> what enters that layer at every position of full_text[:-1]; filled on first use
+    shallow_states: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
 
     @property
     def reference(self) -> list[int]:
@@ -272,47 +284,67 @@ def _committed_kv_mask(data: TeacherForcedPrompt, dtype: torch.dtype) -> torch.T
     return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
 
-@torch.no_grad()
-def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> tuple[list[int], list[float]]:
-    """The draft's token and confidence after each committed continuation token: entry j is its
-    guess at continuation token j + 1, all read from one masked pass.
-
-    Only a layer-skip draft reads the full model's KV this way; a draft adapter's block keeps a
-    cache of its own over shallow states, which this pass does not build, so it is refused
-    rather than priced as a skip set."""
-    if params.draft_adapter:
-        raise ValueError(
-            f"the estimate cannot replay the draft adapter {params.draft_adapter!r}; measure it "
-            '(objective = "measured")'
+def _shallow_states(model, data: TeacherForcedPrompt, exit_layer: int) -> torch.Tensor:
+    """`[1, kv_length, hidden]`: the output of layer `exit_layer - 1` over the text, which is what
+    a real decode's verifications hand an adapter for committed tokens. Kept per exit layer, so
+    the trials that choose the same adapter share one pass."""
+    if exit_layer not in data.shallow_states:
+        kept = []
+        hook = decoder_layers(model)[exit_layer - 1].register_forward_hook(
+            lambda module, args, output: kept.append(output[0] if isinstance(output, tuple) else output)
         )
-    length, cache = data.prompt_length, data.cache
-    if data.kv_length == length:  # a one-token continuation leaves nothing to draft
-        return [], []
-    continuation = data.full_text[None, length:-1]
+        try:
+            model.get_decoder()(input_ids=data.full_text[None, :-1], use_cache=False)
+        finally:
+            hook.remove()
+        data.shallow_states[exit_layer] = kept[0]
+    return data.shallow_states[exit_layer]
+
+
+def _adapter_hidden(model, data: TeacherForcedPrompt, adapter_path: str) -> torch.Tensor:
+    """The adapter's output after each committed continuation token, from one causal pass of
+    its block over the shallow states of the whole text."""
+    adapter = load_adapter(model, adapter_path)
+    shallow = _shallow_states(model, data, adapter.shape.exit_layer)
+    positions = torch.arange(shallow.shape[1], device=shallow.device)[None]
+    return adapter(shallow, positions)[0, data.prompt_length :]
+
+
+def _layer_skip_hidden(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> torch.Tensor:
+    """The skipped model's final hidden state after each committed continuation token, from one
+    pass over the continuation that reads the full model's KV for the text before each token."""
+    continuation = data.full_text[None, data.prompt_length : -1]
     inputs = {
         "input_ids": continuation,
-        "position_ids": torch.arange(length, data.kv_length, device=continuation.device)[None],
-        "past_key_values": cache,
+        "position_ids": torch.arange(data.prompt_length, data.kv_length, device=continuation.device)[None],
+        "past_key_values": data.cache,
         "use_cache": True,
         "attention_mask": _committed_kv_mask(data, model.dtype),
     }
     skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
     try:
-        with skipper.drafting(cache):
-            if params.draft_vocab_size:
-                # The same subset a real draft builds: low ids plus the prompt and the first token.
-                head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: length + 1])
-                hidden = model.get_decoder()(**inputs).last_hidden_state[0]
-                probabilities = torch.softmax(head.subset_logits(hidden).float(), dim=-1)
-                confidence, rows = probabilities.max(dim=-1)
-                tokens = head.token_ids[rows]
-            else:
-                logits = model(**inputs, logits_to_keep=0).logits[0]
-                confidence, tokens = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        with skipper.drafting(data.cache):
+            return model.get_decoder()(**inputs).last_hidden_state[0]
     finally:
-        cache.rollback(data.kv_length)
+        data.cache.rollback(data.kv_length)
         skipper.close()
-    return tokens.tolist(), confidence.tolist()
+
+
+@torch.no_grad()
+def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> tuple[list[int], list[float]]:
+    """The draft's token and confidence after each committed continuation token: entry j is its
+    guess at continuation token j + 1, all read from one pass."""
+    if data.kv_length == data.prompt_length:  # a one-token continuation leaves nothing to draft
+        return [], []
+    if params.draft_adapter:
+        hidden = _adapter_hidden(model, data, params.draft_adapter)
+    else:
+        hidden = _layer_skip_hidden(model, data, params)
+    # The head a real draft builds: the lowest ids plus the prompt and the first token (with
+    # draft_vocab_size 0, the whole head).
+    head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: data.prompt_length + 1])
+    confidence, rows = torch.softmax(head.subset_logits(hidden).float(), dim=-1).max(dim=-1)
+    return head.token_ids[rows].tolist(), confidence.tolist()
 
 
 def replay_decode(

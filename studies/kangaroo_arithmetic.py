@@ -1,0 +1,101 @@
+"""What `kangaroo` alone would gain with each trained adapter, on a host whose own timings are not
+the ones that matter: the acceptance is replayed, the prices are given.
+
+    .venv/bin/python studies/kangaroo_arithmetic.py [--dtype float32] [--prompts 20] ADAPTER.safetensors [...]
+
+Acceptance: the tuner's replay of the decoding loop (`tuning/estimate.py`) over each adapter's
+teacher-forced drafts on HumanEval 20-39 (never trained or tuned on). Under greedy decoding an
+adapter's drafts are exact there, so the counts are what a real decode drafts and accepts, on
+any machine and in float32 as well as bfloat16 (up to near-ties).
+
+Prices, in units of one plain decoding step, default to what the native-bfloat16 CPU measured
+(docs/kangaroo.md): a verification of two or more tokens costs `--verify-cost` steps, and a
+draft token `--draft-base + exit_layer * --draft-per-layer` steps (0.191 at exit layer 4, 0.32
+at exit layer 8). The prompt's prefill is left out of both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+
+import torch
+
+from hf_selfspec import load_embedded
+from hf_selfspec.adapter import read_adapter_shape
+from hf_selfspec.measure import timed_generate
+from hf_selfspec.params import resolve_params
+from hf_selfspec.prompts import encode_prompt, load_prompts
+from hf_selfspec.stats import StrategyStats
+from hf_selfspec.tuning.estimate import CostModel, draft_predictions, plain_seconds, replay_decode, teacher_force
+from hf_selfspec.tuning.objective import PreparedPrompt
+
+NEW_TOKENS = 64
+MAX_DRAFT_TOKENS = (1, 2, 3, 4, 6)
+EXIT_THRESHOLDS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8)
+
+
+def step_priced_cost(num_layers: int, verify_cost: float, draft_base: float, draft_per_layer: float) -> CostModel:
+    """A cost model in steps: an adapter's draft runs `exit_layer + 1` layers (its own block
+    included), so half a layer's price per sub-layer and the base less one layer as the constant."""
+    return CostModel(
+        num_layers=num_layers,
+        verify_seconds=(0.0, 1.0) + (verify_cost,) * (max(MAX_DRAFT_TOKENS) + 1),
+        plain_step_overhead=0.0,
+        draft_constant=draft_base - draft_per_layer,
+        attention_seconds=draft_per_layer / 2,
+        mlp_seconds=draft_per_layer / 2,
+        restricted_head_constant=0.0,
+        restricted_head_per_row=0.0,
+    )
+
+
+def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse.Namespace) -> None:
+    model, tokenizer = load_embedded(dtype=dtype, generation_config=None)
+    num_layers = model.config.num_hidden_layers
+    forced = []
+    for prompt in load_prompts("humaneval", n=n_prompts, offset=20):
+        inputs = encode_prompt(tokenizer, prompt)
+        plain = timed_generate(model, inputs, strategy="plain", max_new_tokens=NEW_TOKENS, do_sample=False)
+        prepared = PreparedPrompt(prompt.id, dict(inputs), plain.new_tokens, torch.empty(0), plain.seconds)
+        forced.append(dataclasses.replace(teacher_force(model, prepared, NEW_TOKENS), prefill_seconds=0.0))
+    cost = step_priced_cost(num_layers, args.verify_cost, args.draft_base, args.draft_per_layer)
+    plain = sum(plain_seconds(data, cost) for data in forced)
+    for adapter in adapters:
+        shape = read_adapter_shape(adapter)
+        rows = []
+        knobs = {"draft_adapter": adapter, "draft_vocab_size": args.draft_vocab_size, "prompt_lookup_tokens": 0}
+        # The drafts depend on the adapter and the head, not on how many of them are proposed.
+        drafts = [draft_predictions(model, data, resolve_params(num_layers, knobs)) for data in forced]
+        for max_draft, threshold in itertools.product(MAX_DRAFT_TOKENS, EXIT_THRESHOLDS):
+            params = resolve_params(num_layers, {**knobs, "max_draft_tokens": max_draft, "draft_exit_threshold": threshold})
+            totals, seconds = StrategyStats(), 0.0
+            for data, predicted in zip(forced, drafts):
+                spent, stats = replay_decode(data, params, "kangaroo", *predicted, cost)
+                totals.add(stats)
+                seconds += spent
+            rows.append((plain / seconds, max_draft, threshold, totals))
+        print(f"{adapter} (exit layer {shape.exit_layer}, {'with' if shape.mlp else 'no'} MLP): "
+              f"a draft token costs {cost.draft_token_seconds(params):.3f} of a step")
+        for speedup, max_draft, threshold, totals in sorted(rows, key=lambda row: row[0], reverse=True)[: args.top]:
+            per_verification = totals.accepted_tokens / max(totals.verification_steps, 1)
+            print(f"  max_draft_tokens {max_draft}, draft_exit_threshold {threshold}: {speedup:.3f}x, "
+                  f"acceptance {totals.acceptance_rate:.3f}, {per_verification:.2f} accepted per verification, "
+                  f"{totals.drafted_tokens / max(totals.verification_steps, 1):.2f} drafted", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts from 20 on (at most 20)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--verify-cost", type=float, default=1.1, help="steps a verification of 2-8 tokens costs")
+    parser.add_argument("--draft-base", type=float, default=0.063, help="steps a draft token costs beyond its layers")
+    parser.add_argument("--draft-per-layer", type=float, default=0.032, help="steps each layer below the exit adds")
+    parser.add_argument("--top", type=int, default=3, help="knob settings to list per adapter")
+    parser.add_argument("adapters", nargs="+")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    main(args.adapters, min(args.prompts, 20), getattr(torch, args.dtype), args)
