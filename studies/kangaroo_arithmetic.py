@@ -58,17 +58,18 @@ def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse
     forced = []
     for prompt in load_prompts("humaneval", n=n_prompts, offset=20):
         inputs = encode_prompt(tokenizer, prompt)
-        plain = timed_generate(model, inputs, strategy="plain", max_new_tokens=NEW_TOKENS, do_sample=False)
-        prepared = PreparedPrompt(prompt.id, dict(inputs), plain.new_tokens, torch.empty(0), plain.seconds)
+        run = timed_generate(model, inputs, strategy="plain", max_new_tokens=NEW_TOKENS, do_sample=False)
+        prepared = PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, torch.empty(0), run.seconds)
         forced.append(dataclasses.replace(teacher_force(model, prepared, NEW_TOKENS), prefill_seconds=0.0))
     cost = step_priced_cost(num_layers, args.verify_cost, args.draft_base, args.draft_per_layer)
-    plain = sum(plain_seconds(data, cost) for data in forced)
+    plain_steps = sum(plain_seconds(data, cost) for data in forced)
     for adapter in adapters:
         shape = read_adapter_shape(adapter)
         rows = []
         knobs = {"draft_adapter": adapter, "draft_vocab_size": args.draft_vocab_size, "prompt_lookup_tokens": 0}
+        adapter_params = resolve_params(num_layers, knobs)
         # The drafts depend on the adapter and the head, not on how many of them are proposed.
-        drafts = [draft_predictions(model, data, resolve_params(num_layers, knobs)) for data in forced]
+        drafts = [draft_predictions(model, data, adapter_params) for data in forced]
         for max_draft, threshold in itertools.product(MAX_DRAFT_TOKENS, EXIT_THRESHOLDS):
             params = resolve_params(num_layers, {**knobs, "max_draft_tokens": max_draft, "draft_exit_threshold": threshold})
             totals, seconds = StrategyStats(), 0.0
@@ -76,13 +77,12 @@ def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse
                 spent, stats = replay_decode(data, params, "kangaroo", *predicted, cost)
                 totals.add(stats)
                 seconds += spent
-            rows.append((plain / seconds, max_draft, threshold, totals))
+            rows.append((plain_steps / seconds, max_draft, threshold, totals))
         print(f"{adapter} (exit layer {shape.exit_layer}, {'with' if shape.mlp else 'no'} MLP): "
-              f"a draft token costs {cost.draft_token_seconds(params):.3f} of a step")
+              f"a draft token costs {cost.draft_token_seconds(adapter_params):.3f} of a step")
         for speedup, max_draft, threshold, totals in sorted(rows, key=lambda row: row[0], reverse=True)[: args.top]:
-            per_verification = totals.accepted_tokens / max(totals.verification_steps, 1)
             print(f"  max_draft_tokens {max_draft}, draft_exit_threshold {threshold}: {speedup:.3f}x, "
-                  f"acceptance {totals.acceptance_rate:.3f}, {per_verification:.2f} accepted per verification, "
+                  f"acceptance {totals.acceptance_rate:.3f}, {totals.mean_accepted_length:.2f} accepted per verification, "
                   f"{totals.drafted_tokens / max(totals.verification_steps, 1):.2f} drafted", flush=True)
 
 
