@@ -6,6 +6,9 @@ drafting the layers hold different lengths. Two things follow:
 - transformers sizes the attention mask from a single layer (the first full-attention and the
   first sliding-window layer); if that layer is skipped its length lags, so while drafting the
   mask geometry is read from a layer of the same kind that does run.
+
+A verification that accepts one of the draft's alternatives (`alternatives.py`) computed its KV
+past the chain; it moves to the place of the draft token it replaced before the rollback.
 """
 
 from __future__ import annotations
@@ -33,3 +36,9 @@ class DraftAwareCache(DynamicCache):
             excess = layer.get_seq_length() - length
             # crop(0) is not a no-op on sliding layers: it trims the recorded past to the window.
             layer.crop(-max(excess, 0))
+
+    def move_entry(self, source: int, target: int) -> None:
+        """Copy position `source`'s keys and values over position `target`'s, in every layer."""
+        for layer in self.layers:
+            layer.keys[:, :, target] = layer.keys[:, :, source]
+            layer.values[:, :, target] = layer.values[:, :, source]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteriaList
 
+from .alternatives import verification_inputs
 from .cache import DraftAwareCache
 from .drafters import DecodingState, Draft, Drafter
 from .policies import Backoff, ExitPolicy, Gate
@@ -85,14 +86,19 @@ def speculative_decode(
         drafting_ended = time.perf_counter()
         stats.draft_seconds += drafting_ended - started
 
-        # Verify: every drafted position in one forward pass of the full model
-        end = state.length + drafted
+        # Verify: every drafted position in one forward pass of the full model, the draft's
+        # alternatives beside them
+        input_ids, position_ids, attention_mask = verification_inputs(
+            sequence, positions, kv_length, state.length, drafted, draft.alternatives, model.dtype
+        )
+        first_row = state.length - 1 - kv_length  # the newest committed token's: logits from here on
         logits = model(
-            input_ids=sequence[:, kv_length:end],
-            position_ids=positions[:, kv_length:end],
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=drafted + 1,
+            logits_to_keep=input_ids.shape[1] - first_row,
         ).logits[0]
         verdict = verify(selector, state, draft, logits)
         verified = time.perf_counter()
@@ -106,7 +112,11 @@ def speculative_decode(
             kept_logits.extend(verdict.logits[:committed, None])
 
         # Roll back: keep the KV of every committed token but the newest, which has none yet
-        kv_length = state.length - 1
+        verified_from, kv_length = kv_length, state.length - 1
+        if verdict.alternative_row is not None and not finished:
+            source_row, target_row = first_row + verdict.alternative_row, kv_length - 1 - verified_from
+            cache.move_entry(verified_from + source_row, verified_from + target_row)
+            parts.drafter.keep_alternative(source_row, target_row)
         cache.rollback(kv_length)
         parts.drafter.rollback(kv_length)
         _adapt(parts, verdict, drafted)
@@ -151,5 +161,6 @@ def _count(stats: StrategyStats, verdict: Verdict, drafted: int) -> None:
         stats.drafted_tokens += drafted
         stats.accepted_tokens += verdict.accepted
         stats.accepted_lengths.append(verdict.accepted)
+        stats.accepted_alternatives += verdict.alternative_row is not None
     else:
         stats.plain_steps += 1

@@ -29,6 +29,9 @@ class Draft:
     # One `[vocab]` distribution per token; empty for deterministic proposals (prompt lookup),
     # which speculative sampling treats as one-hot.
     distributions: list[torch.Tensor] = field(default_factory=list)
+    # Per token, the draft's runner-up tokens there, verified beside the chain (`alternatives.py`);
+    # empty where the drafter offers none.
+    alternatives: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +54,11 @@ class Drafter:
 
     def rollback(self, committed_kv_length: int) -> None:
         """Forget draft state past the KV the verifier kept; the shared cache needs nothing."""
+
+    def keep_alternative(self, source_row: int, target_row: int) -> None:
+        """The verifier accepted an alternative: what the last verification computed at its row
+        `source_row` now stands at `target_row` (rows from the verification's first input), as
+        the shared cache's entries do. Only drafters that offer alternatives receive this."""
 
     def close(self) -> None:
         """Undo anything done to the model for drafting; called once `generate` ends."""
@@ -76,20 +84,29 @@ def _draft_autoregressively(
     max_tokens: int,
     exit_policy: ExitPolicy,
     selector: TokenSelector,
+    alternatives: int = 0,
 ) -> Draft:
     """Feed `sequence[start:length]`, then extend one token at a time until the exit fires.
 
     The token whose confidence trips the exit is kept: its forward pass is already paid for, and
     keeping it guarantees every drafting round gives the exit policy feedback to adapt on.
+    Under plain greedy decoding (no logits processors), which alone verifies them, each token
+    comes with up to `alternatives` runner-ups the draft's head can propose (not a restricted
+    head's -inf rows).
     """
     draft = Draft()
     sequence, positions, end = state.sequence, state.positions, state.length
     for _ in range(max_tokens):
         logits = next_logits(sequence[:, start:end], positions[:, start:end])
-        token, distribution = selector.pick(selector.scores(sequence[:, :end], logits))
+        scores = selector.scores(sequence[:, :end], logits)
+        token, distribution = selector.pick(scores)
         sequence[0, end] = token
         draft.tokens.append(token)
         draft.distributions.append(distribution)
+        if alternatives and not selector.do_sample and not selector.has_processors:
+            ranked = scores[0].topk(alternatives + 1)
+            runner_ups = [int(i) for v, i in zip(ranked.values, ranked.indices) if int(i) != token and v > -float("inf")]
+            draft.alternatives.append(runner_ups[:alternatives])
         start, end = end, end + 1
         if float(distribution.max()) < exit_policy.threshold:
             break
@@ -139,9 +156,12 @@ class RestrictedDraftHead:
 class LayerSkipDrafter(Drafter):
     """The model itself with sub-layers skipped, writing into the verifier's own cache."""
 
-    def __init__(self, model: nn.Module, cache: DraftAwareCache, skipper: LayerSkipper, draft_vocab_size: int = 0):
+    def __init__(
+        self, model: nn.Module, cache: DraftAwareCache, skipper: LayerSkipper, draft_vocab_size: int = 0,
+        alternatives: int = 0,
+    ):
         self.model, self.cache, self.skipper = model, cache, skipper
-        self.draft_vocab_size = draft_vocab_size
+        self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
         self.next_logits: NextLogits | None = None
 
     def _restricted_next_logits(self, prompt_ids: torch.Tensor) -> NextLogits:
@@ -164,7 +184,7 @@ class LayerSkipDrafter(Drafter):
             )
         with self.skipper.drafting(self.cache):
             return _draft_autoregressively(
-                self.next_logits, state, state.length - 1, max_tokens, exit_policy, selector
+                self.next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
             )
 
     def close(self) -> None:
@@ -182,9 +202,12 @@ class ShallowExitDrafter(Drafter):
     run twice for one token, and the adapter sees what it was trained on.
     """
 
-    def __init__(self, model: nn.Module, cache: DraftAwareCache, adapter: DraftAdapter, draft_vocab_size: int = 0):
+    def __init__(
+        self, model: nn.Module, cache: DraftAwareCache, adapter: DraftAdapter, draft_vocab_size: int = 0,
+        alternatives: int = 0,
+    ):
         self.model, self.cache, self.adapter = model, cache, adapter
-        self.draft_vocab_size = draft_vocab_size
+        self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
         exit_layer = adapter.shape.exit_layer
         layers = decoder_layers(model)
         above = tuple(range(exit_layer, len(layers)))
@@ -219,7 +242,14 @@ class ShallowExitDrafter(Drafter):
             self.head = RestrictedDraftHead(self.model, self.draft_vocab_size, state.sequence[:, : state.length])
         self.adapter_length = self.committed_length  # the backlog enters the adapter cache now
         with self.skipper.drafting(self.cache):
-            return _draft_autoregressively(self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector)
+            return _draft_autoregressively(
+                self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
+            )
+
+    def keep_alternative(self, source_row: int, target_row: int) -> None:
+        verification = self.backlog[-1].clone()
+        verification[:, target_row] = verification[:, source_row]
+        self.backlog[-1] = verification
 
     def rollback(self, committed_kv_length: int) -> None:
         excess = self.adapter_cache.get_seq_length() - self.adapter_length
@@ -320,6 +350,9 @@ class PromptLookupDrafter(Drafter):
 
     def rollback(self, committed_kv_length: int) -> None:
         self.fallback.rollback(committed_kv_length)
+
+    def keep_alternative(self, source_row: int, target_row: int) -> None:
+        self.fallback.keep_alternative(source_row, target_row)
 
     def close(self) -> None:
         self.fallback.close()

@@ -35,6 +35,9 @@ class SelfSpecParams:
     # of a forward pass), so by default a lookup needs at least two tokens of context to match.
     prompt_lookup_min_ngram: int = 2
     draft_vocab_size: int = 0
+    # Runner-up tokens of the draft verified beside each drafted token, in the same forward pass
+    # (greedy decoding, models without sliding windows; see `alternatives.py`).
+    draft_alternatives: int = 0
     # Steps between probes of whichever of speculating and plain decoding is currently slower
     # per committed token (0: always speculate); see `ThroughputBackoff`. On the embedded model's
     # chat prompts, 8 probed a hopeless draft often enough to cost a few percent, and 32 was no
@@ -74,6 +77,7 @@ _COUNT_KEYS = {
     "prompt_lookup_ngram": 1,
     "prompt_lookup_min_ngram": 1,
     "draft_vocab_size": 0,
+    "draft_alternatives": 0,
     "backoff_probe_interval": 0,
 }
 

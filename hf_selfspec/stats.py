@@ -18,6 +18,8 @@ class StrategyStats:
     accepted_tokens: int = 0
     verification_steps: int = 0
     plain_steps: int = 0
+    # Verifications that kept one of the draft's alternatives (counted in accepted_tokens too)
+    accepted_alternatives: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accepted_lengths: list[int] = field(default_factory=list)
@@ -29,6 +31,7 @@ class StrategyStats:
         self.accepted_tokens += other.accepted_tokens
         self.verification_steps += other.verification_steps
         self.plain_steps += other.plain_steps
+        self.accepted_alternatives += other.accepted_alternatives
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
         self.accepted_lengths.extend(other.accepted_lengths)
@@ -51,6 +54,7 @@ class StrategyStats:
             "mean_accepted_length": self.mean_accepted_length,
             "verification_steps": self.verification_steps,
             "plain_steps": self.plain_steps,
+            "accepted_alternatives": self.accepted_alternatives,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "accepted_lengths": list(self.accepted_lengths),

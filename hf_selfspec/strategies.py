@@ -18,6 +18,7 @@ from torch import nn
 from .cache import DraftAwareCache
 from .decoding import SpeculationParts
 from .adapter import load_adapter
+from .alternatives import check_alternatives_supported
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import LayerSkipper
 from .lookup_corpus import load_lookup_corpus
@@ -50,6 +51,10 @@ class Strategy:
     def build_drafter(
         self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None
     ) -> Drafter:
+        if params.draft_alternatives:
+            if assistant_model is not None:
+                raise ValueError("draft_alternatives needs the model's own draft, not an assistant_model")
+            check_alternatives_supported(model)
         if assistant_model is not None:
             drafter: Drafter = AssistantDrafter(assistant_model)
         elif self.needs_draft_adapter and not params.draft_adapter:
@@ -58,10 +63,10 @@ class Strategy:
             )
         elif params.draft_adapter:
             adapter = load_adapter(model, params.draft_adapter)
-            drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size)
+            drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives)
         else:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
-            drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size)
+            drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size, params.draft_alternatives)
         if params.prompt_lookup_tokens:
             corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
             drafter = PromptLookupDrafter(

@@ -4,6 +4,7 @@ Greedy keeps the longest prefix of the draft that matches the verifier's own cho
 Sampling uses speculative sampling (accept with min(1, p/q), resample a rejection from
 norm(max(0, p - q))), which leaves the output distributed exactly as plain sampling.
 Either way the verifier adds one token of its own, so every verification makes progress.
+Greedy also checks the draft's alternatives (`alternatives.py`) where the chain was rejected.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .alternatives import alternative_rows
 from .drafters import DecodingState, Draft
 from .selection import TokenSelector
 
@@ -22,6 +24,9 @@ class Verdict:
     accepted: int
     scores: torch.Tensor  # [len(tokens), vocab] processed scores at each committed position
     logits: torch.Tensor  # [len(tokens), vocab] raw float32 logits at each committed position
+    # The logits row of the alternative that replaced the first rejected draft token, if any:
+    # its KV must move to that token's place.
+    alternative_row: int | None = None
 
 
 def _resample_rejected(p: torch.Tensor, q: torch.Tensor) -> int:
@@ -31,8 +36,8 @@ def _resample_rejected(p: torch.Tensor, q: torch.Tensor) -> int:
 
 
 def verify(selector: TokenSelector, state: DecodingState, draft: Draft, logits: torch.Tensor) -> Verdict:
-    """`logits` `[len(draft) + 1, vocab]`: the full model's logits after the last committed
-    token and after each drafted one."""
+    """`logits` `[len(draft) + 1 + alternatives, vocab]`: the full model's logits after the last
+    committed token and after each drafted one, then after each alternative (greedy only)."""
     logits = logits.float()
     drafted = draft.tokens
     if not selector.do_sample and not selector.has_processors:
@@ -41,6 +46,11 @@ def verify(selector: TokenSelector, state: DecodingState, draft: Draft, logits: 
         accepted = 0
         while accepted < len(drafted) and targets[accepted] == drafted[accepted]:
             accepted += 1
+        for row, (index, token) in enumerate(alternative_rows(draft.alternatives), start=len(drafted) + 1):
+            if index == accepted and token == targets[accepted]:
+                rows = torch.cat([logits[: accepted + 1], logits[row, None]])
+                tokens = drafted[:accepted] + [token, targets[row]]
+                return Verdict(tokens, accepted + 1, rows, rows, alternative_row=row)
         rows = logits[: accepted + 1]
         return Verdict(drafted[:accepted] + [targets[accepted]], accepted, rows, rows)
 

@@ -11,7 +11,9 @@ any machine and in float32 as well as bfloat16 (up to near-ties).
 Prices, in units of one plain decoding step, default to what the native-bfloat16 CPU measured
 (docs/kangaroo.md): a verification of two or more tokens costs `--verify-cost` steps, and a
 draft token `--draft-base + exit_layer * --draft-per-layer` steps (0.191 at exit layer 4, 0.32
-at exit layer 8). The prompt's prefill is left out of both sides.
+at exit layer 8). The prompt's prefill is left out of both sides. With `--draft-alternatives`,
+the draft's runner-ups are verified beside its chain; only settings whose widest verification
+stays within `--max-verify-rows` (what the verification price was measured for) are listed.
 """
 
 from __future__ import annotations
@@ -66,15 +68,18 @@ def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse
     for adapter in adapters:
         shape = read_adapter_shape(adapter)
         rows = []
-        knobs = {"draft_adapter": adapter, "draft_vocab_size": args.draft_vocab_size, "prompt_lookup_tokens": 0}
+        knobs = {"draft_adapter": adapter, "draft_vocab_size": args.draft_vocab_size, "prompt_lookup_tokens": 0,
+                 "draft_alternatives": args.draft_alternatives}
         adapter_params = resolve_params(num_layers, knobs)
         # The drafts depend on the adapter and the head, not on how many of them are proposed.
         drafts = [draft_predictions(model, data, adapter_params) for data in forced]
         for max_draft, threshold in itertools.product(MAX_DRAFT_TOKENS, EXIT_THRESHOLDS):
+            if 1 + max_draft * (1 + args.draft_alternatives) > args.max_verify_rows:
+                continue
             params = resolve_params(num_layers, {**knobs, "max_draft_tokens": max_draft, "draft_exit_threshold": threshold})
             totals, seconds = StrategyStats(), 0.0
             for data, predicted in zip(forced, drafts):
-                spent, stats = replay_decode(data, params, "kangaroo", *predicted, cost)
+                spent, stats = replay_decode(data, params, "kangaroo", predicted, cost)
                 totals.add(stats)
                 seconds += spent
             rows.append((plain_steps / seconds, max_draft, threshold, totals))
@@ -83,7 +88,8 @@ def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse
         for speedup, max_draft, threshold, totals in sorted(rows, key=lambda row: row[0], reverse=True)[: args.top]:
             print(f"  max_draft_tokens {max_draft}, draft_exit_threshold {threshold}: {speedup:.3f}x, "
                   f"acceptance {totals.acceptance_rate:.3f}, {totals.mean_accepted_length:.2f} accepted per verification, "
-                  f"{totals.drafted_tokens / max(totals.verification_steps, 1):.2f} drafted", flush=True)
+                  f"{totals.drafted_tokens / max(totals.verification_steps, 1):.2f} drafted, "
+                  f"{totals.accepted_alternatives} alternatives accepted", flush=True)
 
 
 if __name__ == "__main__":
@@ -94,6 +100,9 @@ if __name__ == "__main__":
     parser.add_argument("--verify-cost", type=float, default=1.1, help="steps a verification of 2-8 tokens costs")
     parser.add_argument("--draft-base", type=float, default=0.063, help="steps a draft token costs beyond its layers")
     parser.add_argument("--draft-per-layer", type=float, default=0.032, help="steps each layer below the exit adds")
+    parser.add_argument("--draft-alternatives", type=int, default=0, help="runner-ups verified beside each drafted token")
+    parser.add_argument("--max-verify-rows", type=int, default=8,
+                        help="widest verification (tokens) the --verify-cost price stands for")
     parser.add_argument("--top", type=int, default=3, help="knob settings to list per adapter")
     parser.add_argument("adapters", nargs="+")
     args = parser.parse_args()

@@ -30,6 +30,10 @@ STRATEGY_KWARGS = {
     # The trained adapter that ships beside the tuned profiles (docs/kangaroo.md).
     "kangaroo_shipped_adapter": {"strategy": "kangaroo", "max_draft_tokens": 4, "draft_exit_threshold": 0.3,
                                  "draft_adapter": str(Path(str(TUNED_CONFIG)).parent / "kangaroo-exit4.safetensors")},
+    # Its runner-ups verified beside the chain: branches in the verification's mask.
+    "kangaroo_alternatives": {"strategy": "kangaroo", "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
+                              "draft_alternatives": 2,
+                              "draft_adapter": str(Path(str(TUNED_CONFIG)).parent / "kangaroo-exit4.safetensors")},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
@@ -64,13 +68,15 @@ def assert_consistent(output, plain, inputs, dtype, prompt_id):
 @pytest.mark.parametrize("case", sorted(STRATEGY_KWARGS))
 def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, case):
     model, cases = smollm2
-    drafted = 0
+    drafted = rescued = 0
     for prompt_id, inputs, plain in cases:
         output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
                                 **STRATEGY_KWARGS[case])
         assert_consistent(output, plain, inputs, model.dtype, prompt_id)
         drafted += output.strategy_stats.drafted_tokens
+        rescued += output.strategy_stats.accepted_alternatives
     assert drafted > 0
+    assert (rescued > 0) == ("draft_alternatives" in STRATEGY_KWARGS[case])
 
 
 def test_shipped_profile_is_applied_by_default_and_consistent(smollm2):

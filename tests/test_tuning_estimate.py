@@ -69,7 +69,7 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
         prompt = _prepared(sharp_llama, length, seed)
         data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
         _, replayed = replay_decode(
-            data, params, strategy, *draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS)
+            data, params, strategy, draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS)
         )
         real = sharp_llama.generate(
             prompt.inputs["input_ids"],
@@ -85,29 +85,36 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
     assert replayed_steps > 0
 
 
-@pytest.mark.parametrize("exit_layer, mlp, draft_vocab_size", [(1, True, 0), (2, False, 24)])
-def test_replay_counts_what_decoding_with_a_trained_adapter_does(sharp_llama, tmp_path, exit_layer, mlp, draft_vocab_size):
+@pytest.mark.parametrize(
+    "exit_layer, mlp, draft_vocab_size, draft_alternatives", [(1, True, 0, 0), (2, False, 24, 0), (1, True, 24, 1), (2, True, 0, 2)]
+)
+def test_replay_counts_what_decoding_with_a_trained_adapter_does(
+    sharp_llama, tmp_path, exit_layer, mlp, draft_vocab_size, draft_alternatives
+):
     """An adapter drafts from the full model's own shallow layers, so as long as its tokens are
-    right, the one pass over the text predicts exactly what a real draft proposes next: the
-    replay matches a real decode step for step, rejections included (no exit threshold, so the
-    drafted counts must match too)."""
+    right, the one pass over the text predicts exactly what a real draft proposes next, and its
+    runner-ups: the replay matches a real decode step for step, rejections and rescues by an
+    alternative included (no exit threshold, so the drafted counts must match too)."""
     adapter = _random_adapter(sharp_llama, exit_layer, tmp_path, mlp=mlp)
     params = resolve_params(NUM_LAYERS, {
         "draft_adapter": adapter, "max_draft_tokens": 4, "draft_exit_threshold": 0.0,
-        "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0,
+        "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
     })  # fmt: skip
-    accepted = drafted = 0
+    accepted = drafted = rescued = 0
     for seed, length in enumerate((5, 11, 17)):
         prompt = _prepared(sharp_llama, length, seed)
         data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
-        _, replayed = replay_decode(data, params, "kangaroo", *draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS))
+        _, replayed = replay_decode(data, params, "kangaroo", draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS))
         real = sharp_llama.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
                                     strategy="kangaroo", return_dict_in_generate=True,
                                     **params.as_dict()).strategy_stats
         assert replayed.accepted_lengths == real.accepted_lengths, seed
         assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
+        assert replayed.accepted_alternatives == real.accepted_alternatives, seed
         accepted, drafted = accepted + replayed.accepted_tokens, drafted + replayed.drafted_tokens
+        rescued += real.accepted_alternatives
     assert 0 < accepted < drafted  # both acceptances and rejections were replayed
+    assert (rescued > 0) == (draft_alternatives > 0)
 
 
 def test_an_adapter_draft_is_priced_as_the_layers_below_its_exit_and_one_more_block(tmp_path):
@@ -136,13 +143,13 @@ def test_replay_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):
         prompt = _prepared(sharp_llama, length, seed)
         data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
         predicted = draft_predictions(sharp_llama, data, params)  # for a gate that opens at 100% sure
-        _, replayed = replay_decode(data, params, "target_confidence_gated", *predicted, _free(NUM_LAYERS), corpus)
+        _, replayed = replay_decode(data, params, "target_confidence_gated", predicted, _free(NUM_LAYERS), corpus)
         real = sharp_llama.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
                                     strategy="target_confidence_gated", return_dict_in_generate=True,
                                     **params.as_dict()).strategy_stats
         assert replayed.accepted_lengths == real.accepted_lengths, seed
         assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
-        _, without = replay_decode(data, params, "target_confidence_gated", *predicted, _free(NUM_LAYERS))
+        _, without = replay_decode(data, params, "target_confidence_gated", predicted, _free(NUM_LAYERS))
         drafted += replayed.drafted_tokens - without.drafted_tokens
     assert drafted > 0  # the corpus proposed where the text alone did not
 
@@ -160,7 +167,7 @@ def test_replay_backs_off_where_its_priced_steps_say_drafting_loses(sharp_llama)
     def replay(cost: CostModel, backoff_probe_interval: int):
         params = resolve_params(NUM_LAYERS, {**knobs, "backoff_probe_interval": backoff_probe_interval})
         predictions = draft_predictions(sharp_llama, data, params)
-        return replay_decode(data, params, "self_speculative", *predictions, cost)
+        return replay_decode(data, params, "self_speculative", predictions, cost)
 
     always_seconds, always = replay(pricey, 0)
     assert always.plain_steps <= 1 and always.accepted_tokens < always.drafted_tokens  # rejections happen
@@ -182,7 +189,8 @@ def test_draft_pass_predicts_what_a_real_draft_proposes_first(sharp_llama, draft
     )
     prompt = _prepared(sharp_llama, 9, seed=7)
     data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
-    tokens, confidence = draft_predictions(sharp_llama, data, params)
+    predicted = draft_predictions(sharp_llama, data, params)
+    tokens, confidence = predicted.tokens, predicted.confidence
     assert len(tokens) == len(prompt.reference_tokens) - 1
     selector = TokenSelector(LogitsProcessorList(), do_sample=False)
     cache = DraftAwareCache(sharp_llama.config)

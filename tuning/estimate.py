@@ -13,7 +13,8 @@ The pass masks attention so that the draft at each position reads the full model
 text before it, as a real draft does for committed text; its first proposal after every prefix
 is therefore exact. A trained adapter's draft (Kangaroo) is exact further: its shallow layers
 are the full model's own, so while its earlier tokens are right its later ones read exactly the
-text the pass gives them. What is approximated: a layer-skip draft's second and later tokens
+text the pass gives them. The draft's alternatives (`draft_alternatives`) are its runner-ups at
+each position, kept from the same pass. What is approximated: a layer-skip draft's second and later tokens
 read the KV of its own earlier draft tokens, here the full model's; exit and gate decisions
 after a rejected token use teacher-forced confidences; logits processors are not applied; an
 adapter's draft is priced from the per-layer costs, not timed; and the cost model is only as
@@ -264,7 +265,7 @@ def calibrate_loop(
     params = resolve_params(cost.num_layers, _LOOP_PROBE)
     real = modelled = steps = 0.0
     for data in prompts:
-        seconds, stats = replay_decode(data, params, "self_speculative", *draft_predictions(model, data, params), cost)
+        seconds, stats = replay_decode(data, params, "self_speculative", draft_predictions(model, data, params), cost)
         modelled += seconds
         steps += stats.verification_steps + stats.plain_steps + 1
         real += timed_generate(
@@ -330,12 +331,21 @@ def _layer_skip_hidden(model, data: TeacherForcedPrompt, params: SelfSpecParams)
         skipper.close()
 
 
+@dataclass(frozen=True)
+class DraftPredictions:
+    """Entry j of each list: the draft's guess at continuation token j + 1, after token j."""
+
+    tokens: list[int]
+    confidence: list[float]
+    alternatives: list[list[int]]  # its `draft_alternatives` runner-ups there
+
+
 @torch.no_grad()
-def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> tuple[list[int], list[float]]:
-    """The draft's token and confidence after each committed continuation token: entry j is its
-    guess at continuation token j + 1, all read from one pass."""
+def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> DraftPredictions:
+    """The draft's token, confidence and runner-ups after each committed continuation token,
+    all read from one pass."""
     if data.kv_length == data.prompt_length:  # a one-token continuation leaves nothing to draft
-        return [], []
+        return DraftPredictions([], [], [])
     if params.draft_adapter:
         hidden = _adapter_hidden(model, data, params.draft_adapter)
     else:
@@ -343,16 +353,19 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     # The head a real draft builds: the lowest ids plus the prompt and the first token (with
     # draft_vocab_size 0, the whole head).
     head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: data.prompt_length + 1])
-    confidence, rows = torch.softmax(head.subset_logits(hidden).float(), dim=-1).max(dim=-1)
-    return head.token_ids[rows].tolist(), confidence.tolist()
+    probabilities = torch.softmax(head.subset_logits(hidden).float(), dim=-1)
+    ranked = probabilities.topk(min(1 + params.draft_alternatives, probabilities.shape[-1]), dim=-1)
+    ranked_tokens = head.token_ids[ranked.indices].tolist()
+    return DraftPredictions(
+        [row[0] for row in ranked_tokens], ranked.values[:, 0].tolist(), [row[1:] for row in ranked_tokens]
+    )
 
 
 def replay_decode(
     data: TeacherForcedPrompt,
     params: SelfSpecParams,
     strategy: str,
-    draft_tokens: Sequence[int],
-    draft_confidence: Sequence[float],
+    draft: DraftPredictions,
     cost: CostModel,
     corpus: LookupCorpus | None = None,
 ) -> tuple[float, StrategyStats]:
@@ -381,10 +394,10 @@ def replay_decode(
                     corpus,
                 )
             if not proposals and not is_prefill and gate.should_draft():
-                for row in range(committed - 1, min(committed - 1 + limit, len(draft_tokens))):
-                    proposals.append(draft_tokens[row])
+                for row in range(committed - 1, min(committed - 1 + limit, len(draft.tokens))):
+                    proposals.append(draft.tokens[row])
                     model_drafted += 1
-                    if draft_confidence[row] < exit_policy.threshold:
+                    if draft.confidence[row] < exit_policy.threshold:
                         break
         accepted = 0
         while (
@@ -393,10 +406,20 @@ def replay_decode(
             and proposals[accepted] == reference[committed + accepted]
         ):
             accepted += 1
+        # Only the model's own proposals come with alternatives (not a lookup's).
+        alternatives = draft.alternatives[committed - 1 : committed - 1 + model_drafted]
+        # A rejected proposal's alternative that is the verifier's token earns the verifier's next one.
+        rescued = (
+            accepted < len(alternatives)
+            and committed + accepted < len(reference)
+            and reference[committed + accepted] in alternatives[accepted]
+        )
+        accepted += rescued
         if is_prefill:
             step_seconds = data.prefill_seconds
         else:
-            step_seconds = model_drafted * draft_token_seconds + cost.verify(len(proposals) + 1)
+            verified = len(proposals) + 1 + sum(len(tokens) for tokens in alternatives)
+            step_seconds = model_drafted * draft_token_seconds + cost.verify(verified)
         seconds += step_seconds + cost.loop_step_overhead
         step_committed = min(accepted + 1, len(reference) - committed)
         committed += step_committed
@@ -408,6 +431,7 @@ def replay_decode(
             stats.drafted_tokens += len(proposals)
             stats.accepted_tokens += accepted
             stats.accepted_lengths.append(accepted)
+            stats.accepted_alternatives += rescued
         elif not is_prefill:
             stats.plain_steps += 1
         if gate.needs_confidence:
@@ -437,7 +461,7 @@ class EstimatedSpeedupObjective:
         corpus = load_lookup_corpus(self.model, params.lookup_corpus) if params.lookup_corpus else None
         for data in self.prompts:
             predicted = draft_predictions(self.model, data, params)
-            seconds, stats = replay_decode(data, params, self.search.strategy, *predicted, self.cost, corpus)
+            seconds, stats = replay_decode(data, params, self.search.strategy, predicted, self.cost, corpus)
             totals.add(stats)
             baseline += plain_seconds(data, self.cost)
             candidate += seconds

@@ -66,6 +66,8 @@ KNOBS: dict[str, Knob] = {
         Knob("prompt_lookup_min_ngram", int, _fixed_at_default("prompt_lookup_min_ngram"), (1, None)),
         Knob("prompt_lookup_ngram", int, _fixed_at_default("prompt_lookup_ngram"), (1, None)),
         Knob("draft_vocab_size", int, _fixed_at_default("draft_vocab_size"), (0, None)),
+        # Verifying the draft's runner-ups widens every verification: off unless a study asks.
+        Knob("draft_alternatives", int, _fixed_at_default("draft_alternatives"), (0, None)),
         # How often the back-off probes the mode it is not using (0: never back off).
         Knob("backoff_probe_interval", int, _fixed_at_default("backoff_probe_interval"), (0, None)),
     )
@@ -78,6 +80,7 @@ _COMMON_KNOBS = (
     "prompt_lookup_min_ngram",
     "prompt_lookup_ngram",
     "draft_vocab_size",
+    "draft_alternatives",
     "backoff_probe_interval",
 )
 STRATEGY_KNOBS: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,154 @@
+"""The draft's runner-ups verified beside its chain (`draft_alternatives`): greedy output stays
+plain greedy's, an accepted alternative really adds a token, and what cannot take them says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_selfspec.alternatives import verification_inputs
+from test_kangaroo import _random_adapter
+from test_lossless import _assert_same_greedy, _prompts
+from tiny_models import NUM_LAYERS, tiny_model
+
+# The architectures whose attention has no sliding window: one hand-built mask serves every layer.
+FULL_ATTENTION = ["llama", "qwen3"]
+DRAFTS = {
+    "layer_skip": {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2]},
+    "layer_skip_restricted_head": {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2], "draft_vocab_size": 24},
+    "lookup_then_layer_skip": {"attn_skip_layers": [2], "mlp_skip_layers": [2], "prompt_lookup_tokens": 3,
+                               "prompt_lookup_min_ngram": 1},
+}
+
+
+def test_a_branch_sees_the_text_before_its_position_and_itself():
+    sequence = torch.arange(10, 20)[None]
+    positions = torch.arange(10)[None]
+    # 4 tokens cached, token 4 committed without KV, 3 drafted tokens at 5-7 with alternatives
+    # [] / [30, 31] / [32].
+    input_ids, position_ids, mask = verification_inputs(sequence, positions, 4, 5, 3, [[], [30, 31], [32]], torch.float32)
+    assert input_ids.tolist() == [[14, 15, 16, 17, 30, 31, 32]]
+    assert position_ids.tolist() == [[4, 5, 6, 7, 6, 6, 7]]
+    visible = (mask[0, 0] == 0).int().tolist()
+    #                  cached      chain 4-7     branches
+    assert visible == [[1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+                       [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+                       [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0],
+                       [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+                       [1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0],  # 30 replaces token 6: sees up to 5
+                       [1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0],
+                       [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1]]  # 32 replaces token 7: sees up to 6
+    assert verification_inputs(sequence, positions, 4, 5, 3, [], torch.float32)[2] is None
+
+
+@pytest.mark.parametrize("architecture", FULL_ATTENTION)
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+@pytest.mark.parametrize("strategy", ["self_speculative", "adaptive_draft_exit", "target_confidence_gated"])
+def test_layer_skip_drafts_with_alternatives_match_plain_greedy(architecture, draft, strategy):
+    rescued = 0
+    for sharpness in (None, 0.3):
+        model = tiny_model(architecture, initializer_range=sharpness)
+        for prompt in _prompts(model.config.vocab_size):
+            for alternatives in (1, 2):
+                output = _assert_same_greedy(
+                    model, prompt, strategy=strategy, max_draft_tokens=5, draft_exit_threshold=0.0,
+                    target_confidence_threshold=0.0, backoff_probe_interval=0, draft_alternatives=alternatives,
+                    **DRAFTS[draft],
+                )
+                rescued += output.strategy_stats.accepted_alternatives
+    assert rescued > 0
+
+
+@pytest.mark.parametrize("architecture", FULL_ATTENTION)
+@pytest.mark.parametrize("exit_layer", [1, NUM_LAYERS - 1])
+def test_kangaroo_with_alternatives_matches_plain_greedy(architecture, exit_layer, tmp_path):
+    """The adapter's own KV is fed from the verifier's shallow states, so an accepted
+    alternative's state must move into place there too, or later drafts read the rejected one."""
+    rescued = 0
+    for sharpness in (None, 0.3):
+        model = tiny_model(architecture, initializer_range=sharpness)
+        adapter = _random_adapter(model, exit_layer, tmp_path, mlp=exit_layer == 1)
+        for prompt in _prompts(model.config.vocab_size):
+            for knobs in ({"draft_alternatives": 1}, {"draft_alternatives": 2, "draft_vocab_size": 24}):
+                output = _assert_same_greedy(
+                    model, prompt, strategy="kangaroo", draft_adapter=adapter, max_draft_tokens=5,
+                    draft_exit_threshold=0.0, backoff_probe_interval=0, **knobs,
+                )
+                rescued += output.strategy_stats.accepted_alternatives
+    assert rescued > 0
+
+
+def test_an_accepted_alternative_adds_the_verifiers_next_token():
+    """One-token drafts commit one or two tokens a verification, and an alternative turns some
+    ones into twos at the same positions, so the branched decode is never behind the chain
+    after equally many verifications and ends in fewer once any alternative was accepted."""
+    model = tiny_model("llama", initializer_range=0.3)
+    knobs = dict(max_new_tokens=40, do_sample=False, return_dict_in_generate=True, strategy="self_speculative",
+                 attn_skip_layers=[1, 3], mlp_skip_layers=[2], max_draft_tokens=1, backoff_probe_interval=0)
+    chain_steps = branched_steps = rescued = 0
+    for prompt in _prompts(96):
+        chain = model.generate(prompt, **knobs).strategy_stats
+        branched = model.generate(prompt, draft_alternatives=3, **knobs).strategy_stats
+        assert branched.verification_steps + branched.plain_steps <= chain.verification_steps + chain.plain_steps
+        chain_steps += chain.verification_steps + chain.plain_steps
+        branched_steps += branched.verification_steps + branched.plain_steps
+        rescued += branched.accepted_alternatives
+    assert rescued > 0 and branched_steps < chain_steps
+
+
+def test_scores_and_end_of_text_where_an_alternative_was_accepted():
+    model = tiny_model("qwen3", initializer_range=0.3)
+    prompt = _prompts(96)[2]
+    kwargs = dict(max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    plain = model.generate(prompt, strategy="plain", **kwargs)
+    ours = model.generate(prompt, strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
+                          draft_exit_threshold=0.0, draft_alternatives=2, backoff_probe_interval=0, **kwargs)
+    assert ours.strategy_stats.accepted_alternatives > 0
+    assert ours.sequences.tolist() == plain.sequences.tolist()
+    for mine, theirs in zip(ours.scores, plain.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    # Each generated token in turn as the end of text: decoding stops on it as plain does.
+    new_tokens = plain.sequences[0, prompt.shape[1]:].tolist()
+    for eos in dict.fromkeys(new_tokens[3:]):
+        ended = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos)
+        expected = model.generate(prompt, strategy="plain", **ended)
+        assert expected.shape[1] < plain.sequences.shape[1]
+        assert model.generate(prompt, strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
+                              draft_exit_threshold=0.0, draft_alternatives=2, backoff_probe_interval=0,
+                              **ended).tolist() == expected.tolist(), eos
+
+
+def test_sampling_does_not_verify_alternatives():
+    """Speculative sampling keeps the distribution for one chain; with alternatives asked for,
+    sampling draws exactly what it draws without them."""
+    model = tiny_model("llama", initializer_range=0.3)
+    prompt = _prompts(96)[1]
+    draws = []
+    for alternatives in (0, 2):
+        torch.manual_seed(11)
+        output = model.generate(prompt, max_new_tokens=30, do_sample=True, return_dict_in_generate=True,
+                                strategy="self_speculative", draft_exit_threshold=0.0, draft_alternatives=alternatives)
+        assert output.strategy_stats.accepted_alternatives == 0
+        draws.append(output.sequences.tolist())
+    assert draws[0] == draws[1]
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "qwen2", "gemma2", "gemma3"])
+def test_sliding_window_models_refuse_alternatives(architecture):
+    model = tiny_model(architecture)
+    with pytest.raises(ValueError, match="draft_alternatives is not supported with .*sliding-window"):
+        model.generate(_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="self_speculative",
+                       draft_alternatives=1)
+
+
+def test_an_assistant_model_refuses_alternatives():
+    model, assistant = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    with pytest.raises(ValueError, match="draft_alternatives needs the model's own draft"):
+        model.generate(_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="target_confidence_gated",
+                       assistant_model=assistant, draft_alternatives=1)
+
+
+def test_a_negative_count_is_refused():
+    with pytest.raises(ValueError, match="draft_alternatives must be >= 0"):
+        tiny_model("llama").generate(_prompts(96)[0], max_new_tokens=4, strategy="self_speculative",
+                                     draft_alternatives=-1)
