@@ -104,8 +104,8 @@ def _draft_autoregressively(
         draft.tokens.append(token)
         draft.distributions.append(distribution)
         if alternatives and not selector.do_sample and not selector.has_processors:
-            ranked = scores[0].topk(alternatives + 1)
-            runner_ups = [int(i) for v, i in zip(ranked.values, ranked.indices) if int(i) != token and v > -float("inf")]
+            values, indices = (column.tolist() for column in scores[0].topk(alternatives + 1))
+            runner_ups = [i for v, i in zip(values, indices) if i != token and v > -float("inf")]
             draft.alternatives.append(runner_ups[:alternatives])
         start, end = end, end + 1
         if float(distribution.max()) < exit_policy.threshold:
