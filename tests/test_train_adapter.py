@@ -19,8 +19,7 @@ from hf_selfspec.loading import load_model_and_tokenizer
 from tuning.config import StudyConfigError
 from tuning import train_adapter
 from tuning.train_adapter import (
-    CorpusConfig, TrainingConfig, corpus_chunks, humaneval_problems, learning_rate, load_train_config, run_train_adapter,
-    stdlib_function_prompts, work_dir,
+    CorpusConfig, corpus_chunks, humaneval_problems, load_train_config, run_train_adapter, stdlib_function_prompts,
 )
 
 STEPS = 300
@@ -40,17 +39,11 @@ def _config(directory: Path, model_dir: Path, **overrides) -> Path:
     return path
 
 
-# A decaying rate with a warm-up: the resumed run must pick the schedule up at its own step.
-SCHEDULE = {"lr_schedule": '"cosine"', "warmup_steps": 20}
-
-
 def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache-a"))
-    [(exit_layer, uninterrupted, _)] = run_train_adapter(
-        load_train_config(_config(tmp_path / "a", tiny_llama_dir, **SCHEDULE)), False
-    )
+    [(exit_layer, uninterrupted, _)] = run_train_adapter(load_train_config(_config(tmp_path / "a", tiny_llama_dir)), False)
 
-    config = _config(tmp_path / "b", tiny_llama_dir, **SCHEDULE)
+    config = _config(tmp_path / "b", tiny_llama_dir)
     env = {**os.environ, "HF_SELFSPEC_CACHE": str(tmp_path / "cache-b"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "hf_selfspec.cli", "train-adapter", str(config), "--no-progress"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -89,8 +82,6 @@ def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_ll
         ("[corpus]\nstdlib_prompts = 5\n", "needs generated_tokens"),
         ("[corpus]\nstdlib_functions = 5\n", "needs generated_tokens"),
         ("[corpus]\ngenerated_tokens = -2\n", "positive"),
-        ("[training]\nlr_schedule = \"linear\"\n", "one of constant, cosine"),
-        ("[training]\nsteps = 10\nwarmup_steps = 10\n", "warmup_steps"),
     ],
 )
 def test_config_errors_name_the_key(tmp_path, change, message):
@@ -98,25 +89,6 @@ def test_config_errors_name_the_key(tmp_path, change, message):
     path.write_text(change)
     with pytest.raises(StudyConfigError, match=message):
         load_train_config(path)
-
-
-def test_the_rate_warms_up_then_decays_to_zero_at_the_last_step_or_stays_constant():
-    cosine = TrainingConfig(steps=100, lr=1e-3, lr_schedule="cosine", warmup_steps=10)
-    rates = [learning_rate(cosine, step) for step in range(cosine.steps)]
-    assert rates[:10] == pytest.approx([1e-4 * (i + 1) for i in range(10)])
-    assert rates[10] == pytest.approx(1e-3)
-    assert all(later < earlier for earlier, later in zip(rates[10:], rates[11:]))
-    assert rates[-1] < 1e-6 and rates[55] == pytest.approx(5e-4)
-    constant = TrainingConfig(steps=100, lr=1e-3)
-    assert {learning_rate(constant, step) for step in range(100)} == {1e-3}
-
-
-def test_more_steps_extend_a_constant_rate_run_but_are_another_run_under_a_decaying_one(tiny_llama_dir, tmp_path):
-    def directory(steps: int, schedule: str) -> Path:
-        return work_dir(load_train_config(_config(tmp_path, tiny_llama_dir, steps=steps, lr_schedule=f'"{schedule}"')))
-
-    assert directory(300, "constant") == directory(600, "constant")
-    assert directory(300, "cosine") != directory(600, "cosine")
 
 
 def test_an_exit_layer_out_of_range_is_a_config_error(tiny_llama_dir, tmp_path, monkeypatch):

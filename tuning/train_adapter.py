@@ -27,7 +27,6 @@ import gzip
 import hashlib
 import json
 import logging
-import math
 import os
 import sysconfig
 import textwrap
@@ -81,11 +80,6 @@ class TrainingConfig:
     steps: int = 1000
     batch_chunks: int = 4
     lr: float = 3e-4
-    # "constant", or "cosine": from `lr` down to zero at the last step. A short run on a small
-    # corpus ends still improving at a constant rate; decaying it settles the adapter instead
-    # (held-out agreement in docs/kangaroo.md). Either ramps up over `warmup_steps` first.
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
     seed: int = 0
     # The KL is taken over the lowest `vocab_size` token ids (0: all): the draft head is usually
     # restricted to them anyway, and the head dominates a training step's cost.
@@ -109,8 +103,6 @@ class TrainAdapterConfig:
     def adapter_path(self, exit_layer: int) -> Path:
         return self.output_dir / (self.adapter.name.format(exit_layer=exit_layer) + ".safetensors")
 
-
-LR_SCHEDULES = ("constant", "cosine")
 
 _MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions")
 
@@ -182,10 +174,6 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
             raise reader.error(f"training.{key}", f"must be positive, got {getattr(training, key)}")
     if not training.lr > 0:
         raise reader.error("training.lr", f"must be positive, got {training.lr}")
-    if training.lr_schedule not in LR_SCHEDULES:
-        raise reader.error("training.lr_schedule", f"must be one of {', '.join(LR_SCHEDULES)}, got {training.lr_schedule!r}")
-    if not 0 <= training.warmup_steps < training.steps:
-        raise reader.error("training.warmup_steps", f"must lie in 0..steps-1 ({training.steps - 1}), got {training.warmup_steps}")
     try:
         adapter.name.format(exit_layer=0)
     except (KeyError, IndexError, ValueError):
@@ -379,13 +367,11 @@ def teacher_outputs(model, chunks: torch.Tensor, exit_layers: tuple[int, ...], c
 def work_dir(config: TrainAdapterConfig) -> Path:
     """Where the teacher's outputs and the checkpoints live (hundreds of MB, so in the user
     cache, not beside the adapter): one directory per model, corpus and training recipe (the
-    generated text is kept apart, in `generated_text_file`). Under a constant rate the step
-    count is not part of it, so a finished run can be extended by raising `steps`; a decaying
-    rate depends on it at every step, so there another count is another run."""
-    step_independent = ("eval_every", "checkpoint_every") + (("steps",) if config.training.lr_schedule == "constant" else ())
+    generated text is kept apart, in `generated_text_file`). The
+    step count is not part of it, so a finished run can be extended by raising `steps`."""
     recipe = [
         dataclasses.asdict(config.model), dataclasses.asdict(config.corpus), config.adapter.mlp,
-        {k: v for k, v in dataclasses.asdict(config.training).items() if k not in step_independent},
+        {k: v for k, v in dataclasses.asdict(config.training).items() if k not in ("steps", "eval_every", "checkpoint_every")},
     ]
     key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "adapter-training" / key
@@ -412,17 +398,6 @@ class _DistillationHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden.float() @ self.weight.T  # under autocast, in its reduced precision
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
-
-
-def learning_rate(training: TrainingConfig, step: int) -> float:
-    """The rate for the update that takes `step` (from 0) to `step + 1`: a function of the step
-    alone, so a resumed run follows the schedule exactly where the killed one left it."""
-    if step < training.warmup_steps:
-        return training.lr * (step + 1) / training.warmup_steps
-    if training.lr_schedule == "cosine":
-        progress = (step - training.warmup_steps) / (training.steps - training.warmup_steps)
-        return training.lr * 0.5 * (1 + math.cos(math.pi * progress))
-    return training.lr
 
 
 def _batch_indices(train_count: int, step: int, batch: int, seed: int) -> torch.Tensor:
@@ -483,8 +458,6 @@ def train_exit_layer(model, config: TrainAdapterConfig, teacher: TeacherOutputs,
         loss = torch.nn.functional.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(training, step)
         optimizer.step()
         step += 1
         loss_value = loss.item()
