@@ -54,6 +54,18 @@ def step_priced_cost(num_layers: int, verify_cost: float, draft_base: float, dra
     )
 
 
+def agreement(forced: list, drafts: list) -> tuple[float, float]:
+    """The draft's first choice against plain greedy's next token at every committed position,
+    and how often its runner-ups hold that token where the first choice misses it."""
+    right = missed = rescued = 0
+    for data, draft in zip(forced, drafts):
+        for token, runner_ups, expected in zip(draft.tokens, draft.alternatives, data.reference[1:]):
+            right += token == expected
+            missed += token != expected
+            rescued += token != expected and expected in runner_ups
+    return right / max(right + missed, 1), rescued / max(missed, 1)
+
+
 def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse.Namespace) -> None:
     model, tokenizer = load_embedded(dtype=dtype, generation_config=None)
     num_layers = model.config.num_hidden_layers
@@ -85,6 +97,9 @@ def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse
             rows.append((plain_steps / seconds, max_draft, threshold, totals))
         print(f"{adapter} (exit layer {shape.exit_layer}, {'with' if shape.mlp else 'no'} MLP): "
               f"a draft token costs {cost.draft_token_seconds(adapter_params):.3f} of a step")
+        first_choice, runner_up = agreement(forced, drafts)
+        print(f"  first choice agrees with plain greedy at {first_choice:.3f} of positions; where it does not, "
+              f"one of {args.draft_alternatives} runner-ups does at {runner_up:.3f}")
         for speedup, max_draft, threshold, totals in sorted(rows, key=lambda row: row[0], reverse=True)[: args.top]:
             print(f"  max_draft_tokens {max_draft}, draft_exit_threshold {threshold}: {speedup:.3f}x, "
                   f"acceptance {totals.acceptance_rate:.3f}, {totals.mean_accepted_length:.2f} accepted per verification, "
