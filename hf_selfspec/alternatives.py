@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cache import has_sliding_window
+
 
 def check_alternatives_supported(model: nn.Module) -> None:
     """Fail before decoding where a hand-built mask cannot stand for the model's own."""
     config = model.config
-    if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if has_sliding_window(config):
         raise ValueError(
             f"draft_alternatives is not supported with {type(model).__name__}'s sliding-window attention "
             "(its verification mask is one for every layer); use draft_alternatives=0"

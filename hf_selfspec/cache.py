@@ -16,6 +16,12 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 
+def has_sliding_window(config) -> bool:
+    """Whether some layer attends only to a window: then a hand-built mask, one for every layer,
+    cannot stand for the model's own."""
+    return bool(getattr(config, "sliding_window", None)) or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+
+
 class DraftAwareCache(DynamicCache):
     def __init__(self, config):
         super().__init__(config=config)

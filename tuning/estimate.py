@@ -14,11 +14,11 @@ text before it, as a real draft does for committed text; its first proposal afte
 is therefore exact. A trained adapter's draft (Kangaroo) is exact further: its shallow layers
 are the full model's own, so while its earlier tokens are right its later ones read exactly the
 text the pass gives them. The draft's alternatives (`draft_alternatives`) are its runner-ups at
-each position, kept from the same pass. What is approximated: a layer-skip draft's second and later tokens
-read the KV of its own earlier draft tokens, here the full model's; exit and gate decisions
-after a rejected token use teacher-forced confidences; logits processors are not applied; an
-adapter's draft is priced from the per-layer costs, not timed; and the cost model is only as
-steady as the machine was while it was timed. So the estimate ranks trials; the top
+each position, kept from the same pass. What is approximated: a layer-skip draft's second and
+later tokens read the KV of its own earlier draft tokens, here the full model's; exit and gate
+decisions after a rejected token use teacher-forced confidences; logits processors are not
+applied; an adapter's draft is priced from the per-layer costs, not timed; and the cost model
+is only as steady as the machine was while it was timed. So the estimate ranks trials; the top
 ones are then confirmed by real decoding (`confirm_top`), and only measured speedups are
 reported as such.
 """
@@ -38,7 +38,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_selfspec.adapter import load_adapter, read_adapter_shape
-from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.cache import DraftAwareCache, has_sliding_window
 from hf_selfspec.drafters import DecodingState, LayerSkipDrafter, RestrictedDraftHead, lookup_proposal
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
 from hf_selfspec.layer_skip import LayerSkipper, decoder_layers
@@ -151,8 +151,7 @@ def _forward(model, input_ids: torch.Tensor, start: int, cache: DraftAwareCache,
 def check_supported(model) -> None:
     """The draft pass masks attention by hand, one mask for every layer, which cannot express a
     sliding window."""
-    config = model.config
-    if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if has_sliding_window(model.config):
         raise ValueError(
             f"objective = \"estimated\" does not support {type(model).__name__}'s sliding-window attention; "
             "use objective = \"measured\""
