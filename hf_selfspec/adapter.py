@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .layer_skip import decoder_layers
+from .masks import additive_mask
 from .params import PATH_KEYS
 
 ADAPTER_FORMAT = "hf-selfspec-draft-adapter/1"
@@ -85,15 +86,13 @@ class _NoMLP(nn.Module):
 
 
 def _additive_causal_mask(query_length: int, past_length: int, like: torch.Tensor) -> torch.Tensor | None:
-    """The mask eager and SDPA attention both take: 0 where a query may look, the dtype's minimum
-    elsewhere. None for one query, which may look at everything."""
+    """The block's own causal mask (its attention, one layer, knows no window). None for one
+    query, which may look at everything."""
     if query_length == 1:
         return None
     keys = torch.arange(past_length + query_length, device=like.device)
     queries = torch.arange(query_length, device=like.device)[:, None] + past_length
-    blocked = keys[None, :] > queries
-    mask = torch.zeros(blocked.shape, dtype=like.dtype, device=like.device)
-    return mask.masked_fill(blocked, torch.finfo(like.dtype).min)[None, None]
+    return additive_mask(keys[None, :] <= queries, like.dtype)
 
 
 class DraftAdapter(nn.Module):

@@ -8,8 +8,7 @@ from its own row instead of a whole new cycle. Each alternative of drafted token
 token's position and sees the committed text, the chain before token i, and itself.
 
 Greedy only: plain sampling would need a multi-candidate acceptance rule to keep the
-distribution, so under sampling (or logits processors) the alternatives are not verified. The
-mask is one for every layer, so a sliding-window model cannot take them.
+distribution, so under sampling (or logits processors) the alternatives are not verified.
 """
 
 from __future__ import annotations
@@ -17,23 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import has_sliding_window
-
-
-def check_alternatives_supported(model: nn.Module) -> None:
-    """Fail before decoding where a hand-built mask cannot stand for the model's own."""
-    config = model.config
-    if has_sliding_window(config):
-        raise ValueError(
-            f"draft_alternatives is not supported with {type(model).__name__}'s sliding-window attention "
-            "(its verification mask is one for every layer); use draft_alternatives=0"
-        )
-    implementation = getattr(config, "_attn_implementation", None) or "eager"
-    if implementation not in ("eager", "sdpa"):
-        raise ValueError(
-            f"draft_alternatives needs attn_implementation 'eager' or 'sdpa' (a mask for the branches), "
-            f"not {implementation!r}; use draft_alternatives=0"
-        )
+from .cache import DraftAwareCache
+from .masks import model_attention_mask
 
 
 def alternative_rows(alternatives: list[list[int]]) -> list[tuple[int, int]]:
@@ -48,11 +32,13 @@ def verification_inputs(
     committed_length: int,
     drafted: int,
     alternatives: list[list[int]],
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    model: nn.Module,
+    cache: DraftAwareCache | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | dict[str, torch.Tensor] | None]:
     """`(input_ids, position_ids, attention_mask)` for verifying the text from `kv_length` to
-    the end of the `drafted` tokens written at `committed_length`, followed by the alternatives.
-    The mask is None without alternatives: the model's own causal mask is the right one."""
+    the end of the `drafted` tokens written at `committed_length`, followed by the alternatives,
+    into `cache`. The mask is None without alternatives: the model's own causal mask is the
+    right one."""
     end = committed_length + drafted
     input_ids, position_ids = sequence[:, kv_length:end], positions[:, kv_length:end]
     branches = alternative_rows(alternatives)
@@ -70,5 +56,7 @@ def verification_inputs(
     branch_rows = torch.arange(chain, rows, device=sequence.device)[:, None]
     visible_from_branch = (keys < branch_positions[:, None]) | (keys == kv_length + branch_rows)
     visible = torch.cat([visible_from_chain, visible_from_branch])
-    mask = torch.zeros(visible.shape, dtype=dtype, device=sequence.device)
-    return input_ids, position_ids, mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+    key_positions = torch.cat([positions[0, :kv_length], position_ids[0]])
+    sliding_keys = None if cache is None else cache.sliding_keys(rows)
+    mask = model_attention_mask(model.config, visible, position_ids[0], key_positions, model.dtype, sliding_keys)
+    return input_ids, position_ids, mask

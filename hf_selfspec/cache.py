@@ -8,7 +8,8 @@ drafting the layers hold different lengths. Two things follow:
   mask geometry is read from a layer of the same kind that does run.
 
 A verification that accepts one of the draft's alternatives (`alternatives.py`) computed its KV
-past the chain; it moves to the place of the draft token it replaced before the rollback.
+past the chain; it moves to the place of the draft token it replaced before the rollback. A
+sliding-window layer holds only the newest keys, so entries are found by counting from the end.
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 
-def has_sliding_window(config) -> bool:
-    """Whether some layer attends only to a window: then a hand-built mask, one for every layer,
-    cannot stand for the model's own."""
-    return bool(getattr(config, "sliding_window", None)) or "sliding_attention" in (getattr(config, "layer_types", None) or ())
-
-
 class DraftAwareCache(DynamicCache):
-    def __init__(self, config):
-        super().__init__(config=config)
+    def __init__(self, config, whole_text: bool = False):
+        # whole_text: every layer keeps every key, sliding-window layers too, for a pass whose
+        # rows reach back further than the window from the end of the text (the tuner's
+        # teacher-forced draft); the window is then the mask's to apply.
+        super().__init__(config=None if whole_text else config)
         # Sliding-window layers normally drop what falls out of the window; keeping it until the
         # next rollback is what makes rejected drafts undoable once the text outgrows the window.
         self.activate_past_recording()
@@ -36,6 +34,14 @@ class DraftAwareCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return super().get_seq_length(self.mask_layer_redirect.get(layer_idx, layer_idx))
 
+    def sliding_keys(self, query_length: int) -> int | None:
+        """How many keys a sliding-window layer attends over with `query_length` new ones: those
+        it keeps and the new. None without such layers."""
+        for index, layer in enumerate(self.layers):
+            if layer.is_sliding:
+                return self.get_mask_sizes(query_length, index)[0]
+        return None
+
     def rollback(self, length: int) -> None:
         """Truncate every layer to `length` tokens, however far each one grew."""
         for layer in self.layers:
@@ -44,7 +50,9 @@ class DraftAwareCache(DynamicCache):
             layer.crop(-max(excess, 0))
 
     def move_entry(self, source: int, target: int) -> None:
-        """Copy position `source`'s keys and values over position `target`'s, in every layer."""
+        """Copy entry `source`'s keys and values over entry `target`'s, in every layer (entries
+        counted from the start of the text)."""
         for layer in self.layers:
-            layer.keys[:, :, target] = layer.keys[:, :, source]
-            layer.values[:, :, target] = layer.values[:, :, source]
+            dropped = layer.get_seq_length() - layer.keys.shape[-2]  # a window's oldest, gone
+            layer.keys[:, :, target - dropped] = layer.keys[:, :, source - dropped]
+            layer.values[:, :, target - dropped] = layer.values[:, :, source - dropped]

@@ -89,7 +89,7 @@ def speculative_decode(
         # Verify: every drafted position in one forward pass of the full model, the draft's
         # alternatives beside them
         input_ids, position_ids, attention_mask = verification_inputs(
-            sequence, positions, kv_length, state.length, drafted, draft.alternatives, model.dtype
+            sequence, positions, kv_length, state.length, drafted, draft.alternatives, model, cache
         )
         first_row = state.length - 1 - kv_length  # the newest committed token's: logits from here on
         logits = model(

@@ -42,6 +42,7 @@ class StrategyPlan:
     strategy: Strategy
     params: SelfSpecParams
     assistant_model: nn.Module | None
+    from_profile: bool  # a tuned profile chose it: where it cannot run, decode plainly instead
 
 
 def _call_generation_config(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -76,10 +77,15 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     )
     if batch > 1:
         return f"decode a batch of {batch} sequences: strategies decode one sequence per call"
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        return "decode a padded input"
     return None
+
+
+# Read from the mask transformers prepared, not from the call: with no attention_mask given, it
+# masks every token of the input that equals pad_token_id (where that is not an EOS id).
+PADDED_INPUT = (
+    "decode a padded input (its attention_mask has zeros, passed or inferred by transformers from "
+    "pad_token_id in input_ids; pass attention_mask=torch.ones_like(input_ids) to attend to every token)"
+)
 
 
 class SelfSpecMixin(GenerationMixin):
@@ -137,7 +143,7 @@ class SelfSpecMixin(GenerationMixin):
             anchor_profile_files(self, config_values),
             anchor_profile_files(self, profile.params) if profile is not None else {},
         )
-        return StrategyPlan(resolved, params, kwargs.get("assistant_model"))
+        return StrategyPlan(resolved, params, kwargs.get("assistant_model"), from_profile=strategy is None)
 
     def _sample(
         self,
@@ -150,6 +156,12 @@ class SelfSpecMixin(GenerationMixin):
         **model_kwargs,
     ):
         plan, self._selfspec_plan = self._selfspec_plan, None
+        mask = model_kwargs.get("attention_mask")
+        if plan is not None and mask is not None and not bool(mask.all()):
+            if not plan.from_profile:
+                raise ValueError(f"strategy={plan.strategy.name!r} cannot {PADDED_INPUT}")
+            logger.info("Decoding plainly: the tuned profile's strategy cannot %s.", PADDED_INPUT)
+            plan = None
         if plan is None:
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs

@@ -18,7 +18,7 @@ from torch import nn
 from .cache import DraftAwareCache
 from .decoding import SpeculationParts
 from .adapter import load_adapter
-from .alternatives import check_alternatives_supported
+from .masks import check_hand_built_masks_supported
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import LayerSkipper
 from .lookup_corpus import load_lookup_corpus
@@ -54,7 +54,7 @@ class Strategy:
         if params.draft_alternatives:
             if assistant_model is not None:
                 raise ValueError("draft_alternatives needs the model's own draft, not an assistant_model")
-            check_alternatives_supported(model)
+            check_hand_built_masks_supported(model, "draft_alternatives", "use draft_alternatives=0")
         if assistant_model is not None:
             drafter: Drafter = AssistantDrafter(assistant_model)
         elif self.needs_draft_adapter and not params.draft_adapter:

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from hf_selfspec.alternatives import verification_inputs
+from hf_selfspec.cache import DraftAwareCache
 from test_kangaroo import _random_adapter
 from test_lossless import _assert_same_greedy, _prompts
-from tiny_models import NUM_LAYERS, tiny_model
+from tiny_models import NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
-# The architectures whose attention has no sliding window: one hand-built mask serves every layer.
 FULL_ATTENTION = ["llama", "qwen3"]
+# All layers windowed (Mistral), or full and windowed layers mixed, which take a mask per type.
+SLIDING_WINDOW_ARCHITECTURES = ["mistral", "qwen2", "gemma2", "gemma3"]
 DRAFTS = {
     "layer_skip": {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2]},
     "layer_skip_restricted_head": {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2], "draft_vocab_size": 24},
@@ -26,7 +28,8 @@ def test_a_branch_sees_the_text_before_its_position_and_itself():
     positions = torch.arange(10)[None]
     # 4 tokens cached, token 4 committed without KV, 3 drafted tokens at 5-7 with alternatives
     # [] / [30, 31] / [32].
-    input_ids, position_ids, mask = verification_inputs(sequence, positions, 4, 5, 3, [[], [30, 31], [32]], torch.float32)
+    model = tiny_model("llama")
+    input_ids, position_ids, mask = verification_inputs(sequence, positions, 4, 5, 3, [[], [30, 31], [32]], model)
     assert input_ids.tolist() == [[14, 15, 16, 17, 30, 31, 32]]
     assert position_ids.tolist() == [[4, 5, 6, 7, 6, 6, 7]]
     visible = (mask[0, 0] == 0).int().tolist()
@@ -38,7 +41,33 @@ def test_a_branch_sees_the_text_before_its_position_and_itself():
                        [1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0],  # 30 replaces token 6: sees up to 5
                        [1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0],
                        [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1]]  # 32 replaces token 7: sees up to 6
-    assert verification_inputs(sequence, positions, 4, 5, 3, [], torch.float32)[2] is None
+    assert verification_inputs(sequence, positions, 4, 5, 3, [], model)[2] is None
+
+
+def test_a_sliding_layer_sees_its_window_of_the_keys_its_cache_holds():
+    """Gemma2 alternates windowed and full layers: the full ones read every key, the windowed
+    ones only the keys their cache layer returns (the newest window - 1 and the new rows), each
+    row no further back than the window from its own position, a branch's included."""
+    model = tiny_model("gemma2")
+    cache = DraftAwareCache(model.config)
+    text = 20
+    with torch.no_grad():
+        model(torch.arange(3, 3 + text)[None], past_key_values=cache, use_cache=True)
+    sequence, positions = torch.arange(3, 3 + text + 4)[None], torch.arange(text + 4)[None]
+    # Every token cached but the newest, committed at 20; 3 drafted at 20-22, an alternative to 21.
+    masks = verification_inputs(sequence, positions, text, text + 1, 3, [[], [70], []], model, cache)[2]
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    full, sliding = (masks[kind][0, 0] == 0 for kind in ("full_attention", "sliding_attention"))
+    rows = 4 + 1  # the newest committed token, 3 drafted, 1 alternative
+    assert full.shape == (rows, text + rows)
+    assert sliding.shape == (rows, SLIDING_WINDOW - 1 + rows)
+    query_positions = [20, 21, 22, 23, 22]
+    key_positions = list(range(text - SLIDING_WINDOW + 1, text)) + query_positions
+    for row, query in enumerate(query_positions):
+        seen = [key_positions[k] for k in range(sliding.shape[1]) if sliding[row, k]]
+        full_seen = [k for k in range(full.shape[1]) if full[row, k] and k < text]
+        assert min(seen) == query - SLIDING_WINDOW + 1 and max(seen) == query
+        assert full_seen == list(range(text))
 
 
 @pytest.mark.parametrize("architecture", FULL_ATTENTION)
@@ -133,10 +162,38 @@ def test_sampling_does_not_verify_alternatives():
     assert draws[0] == draws[1]
 
 
-@pytest.mark.parametrize("architecture", ["mistral", "qwen2", "gemma2", "gemma3"])
-def test_sliding_window_models_refuse_alternatives(architecture):
-    model = tiny_model(architecture)
-    with pytest.raises(ValueError, match="draft_alternatives is not supported with .*sliding-window"):
+@pytest.mark.parametrize("architecture", SLIDING_WINDOW_ARCHITECTURES)
+def test_sliding_window_models_with_alternatives_match_plain_greedy(architecture, tmp_path):
+    """The text outgrows the window, so branches are verified against windowed layers whose
+    oldest keys are gone, and an accepted branch's KV moves within what the window kept."""
+    rescued = 0
+    for sharpness in (None, 0.3):
+        model = tiny_model(architecture, initializer_range=sharpness)
+        adapter = _random_adapter(model, 1, tmp_path, mlp=True)
+        for prompt in _prompts(model.config.vocab_size):
+            for draft in ({**DRAFTS["layer_skip"], "strategy": "adaptive_draft_exit"},
+                          {"strategy": "kangaroo", "draft_adapter": adapter}):
+                output = _assert_same_greedy(
+                    model, prompt, max_draft_tokens=5, draft_exit_threshold=0.0, backoff_probe_interval=0,
+                    draft_alternatives=2, **draft,
+                )
+                rescued += output.strategy_stats.accepted_alternatives
+    assert rescued > 0
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"_attn_implementation": "flex_attention"}, "needs attn_implementation 'eager' or 'sdpa'"),
+        ({"layer_types": ["full_attention", "chunked_attention"] * (NUM_LAYERS // 2), "attention_chunk_size": 4},
+         "does not support llama's chunked_attention layers"),
+    ],
+)
+def test_attention_a_hand_built_mask_cannot_express_refuses_alternatives(settings, message):
+    model = tiny_model("llama")
+    for name, value in settings.items():
+        setattr(model.config, name, value)
+    with pytest.raises(ValueError, match=f"draft_alternatives {message}.*use draft_alternatives=0"):
         model.generate(_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="self_speculative",
                        draft_alternatives=1)
 

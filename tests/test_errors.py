@@ -75,6 +75,21 @@ def test_unsupported_generation_modes_raise(model, kwargs, message):
         _generate(model, **kwargs)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_a_prompt_transformers_would_pad_raises_unless_its_mask_is_given(architecture):
+    """Plain decoding masks every prompt token equal to pad_token_id when no attention_mask is
+    passed; a strategy attends to every token, so it must refuse rather than differ from plain."""
+    model = tiny_model(architecture)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 3, 1
+    for mask in (None, torch.tensor([[1, 1, 0, 1]])):
+        with pytest.raises(ValueError, match="cannot decode a padded input .*attention_mask=torch.ones_like"):
+            _generate(model, attention_mask=mask)
+    ones = torch.ones_like(PROMPT)
+    expected = model.generate(PROMPT, attention_mask=ones, max_new_tokens=12, do_sample=False, strategy="plain")
+    ours = model.generate(PROMPT, attention_mask=ones, max_new_tokens=12, do_sample=False, strategy="self_speculative")
+    assert ours.tolist() == expected.tolist()
+
+
 def test_batches_raise_a_clear_error(model):
     with pytest.raises(ValueError, match="batch of 2 sequences"):
         model.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=3, strategy="adaptive_draft_exit")

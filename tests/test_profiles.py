@@ -80,6 +80,12 @@ def test_profile_falls_back_to_plain_where_a_strategy_cannot_run():
     write_profile(model.generation_config, "cpu/float32", CPU_PROFILE)
     beams = model.generate(PROMPT, max_new_tokens=5, num_beams=2, do_sample=False, return_dict_in_generate=True)
     assert beams.get("strategy_stats") is None
+    # A prompt holding the pad token, which transformers masks when no attention_mask is passed
+    model.generation_config.pad_token_id = 9
+    padded = model.generate(PROMPT, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    assert padded.get("strategy_stats") is None
+    assert padded.sequences.tolist() == model.generate(PROMPT, max_new_tokens=5, do_sample=False,
+                                                       strategy="plain").tolist()
 
 
 def test_profile_for_another_device_warns_once_and_stays_plain(caplog):

@@ -29,15 +29,22 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def sharp_llama():
-    # Sharp weights make confident, repetitive text: long accepted runs, lookup hits, a gate that
-    # opens and closes. No EOS: past it a real draft's acceptances are not in the reference.
-    model = tiny_model("llama", initializer_range=0.3)
+    return _sharp("llama")
+
+
+def _sharp(architecture: str):
+    """Sharp weights make confident, repetitive text: long accepted runs, lookup hits, a gate
+    that opens and closes (Gemma's, with its scaled embeddings, repeat so much that a random
+    adapter is never wrong; its default weights are sharp enough). No EOS: past it a real
+    draft's acceptances are not in the reference."""
+    model = tiny_model(architecture, initializer_range=None if architecture.startswith("gemma") else 0.3)
     model.generation_config.eos_token_id = None
     return model
 
 
 def _prepared(model, length: int, seed: int) -> PreparedPrompt:
-    prompt = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    # From id 3 up: no pad token, which transformers would mask in plain decoding's prompt.
+    prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
     plain = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain",
                            return_dict_in_generate=True, output_logits=True)
     return PreparedPrompt(f"p{seed}", {"input_ids": prompt}, plain.sequences[0, length:].tolist(),
@@ -86,26 +93,32 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
 
 
 @pytest.mark.parametrize(
-    "exit_layer, mlp, draft_vocab_size, draft_alternatives", [(1, True, 0, 0), (2, False, 24, 0), (1, True, 24, 1), (2, True, 0, 2)]
+    "architecture, exit_layer, mlp, draft_vocab_size, draft_alternatives",
+    [
+        ("llama", 1, True, 0, 0), ("llama", 2, False, 24, 0), ("llama", 1, True, 24, 1), ("llama", 2, True, 0, 2),
+        # Text longer than the window: the pass keeps every key and masks each layer type.
+        ("mistral", 1, True, 0, 2), ("qwen2", 2, True, 24, 1), ("gemma2", 1, True, 0, 2), ("gemma3", 2, True, 0, 1),
+    ],
 )
 def test_replay_counts_what_decoding_with_a_trained_adapter_does(
-    sharp_llama, tmp_path, exit_layer, mlp, draft_vocab_size, draft_alternatives
+    tmp_path, architecture, exit_layer, mlp, draft_vocab_size, draft_alternatives
 ):
     """An adapter drafts from the full model's own shallow layers, so as long as its tokens are
     right, the one pass over the text predicts exactly what a real draft proposes next, and its
     runner-ups: the replay matches a real decode step for step, rejections and rescues by an
     alternative included (no exit threshold, so the drafted counts must match too)."""
-    adapter = _random_adapter(sharp_llama, exit_layer, tmp_path, mlp=mlp)
+    model = _sharp(architecture)
+    adapter = _random_adapter(model, exit_layer, tmp_path, mlp=mlp)
     params = resolve_params(NUM_LAYERS, {
         "draft_adapter": adapter, "max_draft_tokens": 4, "draft_exit_threshold": 0.0,
         "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
     })  # fmt: skip
     accepted = drafted = rescued = 0
     for seed, length in enumerate((5, 11, 17)):
-        prompt = _prepared(sharp_llama, length, seed)
-        data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
-        _, replayed = replay_decode(data, params, "kangaroo", draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS))
-        real = sharp_llama.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
+        prompt = _prepared(model, length, seed)
+        data = teacher_force(model, prompt, NEW_TOKENS)
+        _, replayed = replay_decode(data, params, "kangaroo", draft_predictions(model, data, params), _free(NUM_LAYERS))
+        real = model.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
                                     strategy="kangaroo", return_dict_in_generate=True,
                                     **params.as_dict()).strategy_stats
         assert replayed.accepted_lengths == real.accepted_lengths, seed
@@ -180,41 +193,48 @@ def test_replay_backs_off_where_its_priced_steps_say_drafting_loses(sharp_llama)
     assert kept.plain_steps <= 4 and kept.verification_steps > kept.plain_steps
 
 
-@pytest.mark.parametrize("draft_vocab_size", [0, 24])
-def test_draft_pass_predicts_what_a_real_draft_proposes_first(sharp_llama, draft_vocab_size):
+@pytest.mark.parametrize("architecture, draft_vocab_size", [("llama", 0), ("llama", 24), ("mistral", 0), ("gemma2", 24)])
+def test_draft_pass_predicts_what_a_real_draft_proposes_first(architecture, draft_vocab_size):
     """Row j of the masked pass is the draft after j + 1 committed tokens, reading the full
     model's KV for all of them, exactly like the first token of a real draft there."""
+    model = _sharp(architecture)
     params = resolve_params(
         NUM_LAYERS, {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2], "draft_vocab_size": draft_vocab_size}
     )
-    prompt = _prepared(sharp_llama, 9, seed=7)
-    data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
-    predicted = draft_predictions(sharp_llama, data, params)
+    prompt = _prepared(model, 9, seed=7)
+    data = teacher_force(model, prompt, NEW_TOKENS)
+    predicted = draft_predictions(model, data, params)
     tokens, confidence = predicted.tokens, predicted.confidence
     assert len(tokens) == len(prompt.reference_tokens) - 1
     selector = TokenSelector(LogitsProcessorList(), do_sample=False)
-    cache = DraftAwareCache(sharp_llama.config)
-    skipper = LayerSkipper(sharp_llama, params.attn_skip_layers, params.mlp_skip_layers)
+    cache = DraftAwareCache(model.config)
+    skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
     # One drafter throughout, first asked after one committed token: a restricted head picks its
     # rows then, from the text so far, as in a real decode.
-    drafter = LayerSkipDrafter(sharp_llama, cache, skipper, draft_vocab_size)
+    drafter = LayerSkipDrafter(model, cache, skipper, draft_vocab_size)
+    kv_length = 0
     for committed in (1, 5, 12, len(prompt.reference_tokens) - 1):
         length = data.prompt_length + committed
         with torch.no_grad():
-            cache.rollback(0)
-            sharp_llama(input_ids=data.full_text[None, : length - 1], past_key_values=cache, use_cache=True)
+            # The cache grows as a decode's does (a windowed one cannot start over).
+            model(input_ids=data.full_text[None, kv_length : length - 1], past_key_values=cache, use_cache=True,
+                  position_ids=torch.arange(kv_length, length - 1)[None])
+            kv_length = length - 1
             sequence = torch.zeros((1, length + 1), dtype=torch.long)
             sequence[0, :length] = data.full_text[:length]
             state = DecodingState(sequence, torch.arange(length + 1)[None], length)
             draft = drafter.propose(state, 1, ExitPolicy(0.0), selector)
+            cache.rollback(kv_length)
         assert draft.tokens[0] == tokens[committed - 1], committed
         assert float(draft.distributions[0].max()) == pytest.approx(confidence[committed - 1], rel=1e-4)
     drafter.close()
 
 
-def test_sliding_window_models_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_supported(tiny_model("mistral"))
+def test_attention_a_hand_built_mask_cannot_express_is_refused_with_the_reason():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="objective = \"estimated\" needs attn_implementation 'eager' or 'sdpa'"):
+        check_supported(model)
 
 
 @pytest.mark.parametrize(

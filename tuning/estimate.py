@@ -38,9 +38,10 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_selfspec.adapter import load_adapter, read_adapter_shape
-from hf_selfspec.cache import DraftAwareCache, has_sliding_window
+from hf_selfspec.cache import DraftAwareCache
 from hf_selfspec.drafters import DecodingState, LayerSkipDrafter, RestrictedDraftHead, lookup_proposal
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
+from hf_selfspec.masks import check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import LayerSkipper, decoder_layers
 from hf_selfspec.measure import timed_generate
 from hf_selfspec.params import SelfSpecParams, resolve_params
@@ -149,13 +150,7 @@ def _forward(model, input_ids: torch.Tensor, start: int, cache: DraftAwareCache,
 
 
 def check_supported(model) -> None:
-    """The draft pass masks attention by hand, one mask for every layer, which cannot express a
-    sliding window."""
-    if has_sliding_window(model.config):
-        raise ValueError(
-            f"objective = \"estimated\" does not support {type(model).__name__}'s sliding-window attention; "
-            "use objective = \"measured\""
-        )
+    check_hand_built_masks_supported(model, 'objective = "estimated"', 'use objective = "measured"')
 
 
 @torch.no_grad()
@@ -164,7 +159,7 @@ def teacher_force(model, prompt: PreparedPrompt, max_new_tokens: int) -> Teacher
     length = prompt_ids.shape[1]
     reference = torch.tensor(prompt.reference_tokens, device=model.device)
     full_text = torch.cat([prompt_ids[0], reference])
-    cache = DraftAwareCache(model.config)
+    cache = DraftAwareCache(model.config, whole_text=True)  # the draft pass reads back from every row
     prefill_seconds = _typical(lambda: (cache.rollback(0), _forward(model, prompt_ids, 0, cache, 1)), rounds=2)
     # The verifier's probabilities of its own tokens, for the gate: row j scores continuation token j.
     cache.rollback(length - 1)
@@ -273,15 +268,16 @@ def calibrate_loop(
     return dataclasses.replace(cost, loop_step_overhead=max((real - modelled) / steps, 0.0))
 
 
-def _committed_kv_mask(data: TeacherForcedPrompt, dtype: torch.dtype) -> torch.Tensor:
+def _committed_kv_mask(model, data: TeacherForcedPrompt) -> torch.Tensor | dict[str, torch.Tensor]:
     """Draft query j (at position P + j) sees the full model's KV before it, as a real draft
     does for committed text, and its own KV, which the pass appends after the full model's."""
     rows, kv_length = data.kv_length - data.prompt_length, data.kv_length
     query = torch.arange(rows, device=data.full_text.device)[:, None]
     key = torch.arange(kv_length + rows, device=data.full_text.device)[None, :]
     visible = (key < data.prompt_length + query) | (key == kv_length + query)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+    query_positions = data.prompt_length + query[:, 0]
+    key_positions = torch.cat([key[0, :kv_length], query_positions])
+    return model_attention_mask(model.config, visible, query_positions, key_positions, model.dtype)
 
 
 def _shallow_states(model, data: TeacherForcedPrompt, exit_layer: int) -> torch.Tensor:
@@ -319,7 +315,7 @@ def _layer_skip_hidden(model, data: TeacherForcedPrompt, params: SelfSpecParams)
         "position_ids": torch.arange(data.prompt_length, data.kv_length, device=continuation.device)[None],
         "past_key_values": data.cache,
         "use_cache": True,
-        "attention_mask": _committed_kv_mask(data, model.dtype),
+        "attention_mask": _committed_kv_mask(model, data),
     }
     skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
     try:
