@@ -5,10 +5,8 @@ reading the weights (a GPU, or a CPU with native bfloat16). A rejected draft tok
 verifier's second opinion of a spot the draft was unsure about, and the draft's runner-up there
 is often what the verifier chose; verified beside the chain, it earns the verifier's next token
 from its own row instead of a whole new cycle. Each alternative of drafted token i sits at that
-token's position and sees the committed text, the chain before token i, and itself.
-
-Greedy only: plain sampling would need a multi-candidate acceptance rule to keep the
-distribution, so under sampling (or logits processors) the alternatives are not verified.
+token's position and sees the committed text, the chain before token i, and itself. How the
+verifier accepts one, greedy or sampling, is the verifier's (`verifier.py`).
 """
 
 from __future__ import annotations

@@ -90,9 +90,9 @@ def _draft_autoregressively(
 
     The token whose confidence trips the exit is kept: its forward pass is already paid for, and
     keeping it guarantees every drafting round gives the exit policy feedback to adapt on.
-    Under plain greedy decoding (no logits processors), which alone verifies them, each token
-    comes with up to `alternatives` runner-ups the draft's head can propose (not a restricted
-    head's -inf rows).
+    Each token comes with up to `alternatives` runner-ups: the draft's likeliest other tokens
+    (a sampled token need not be its likeliest), never one its scores rule out (a restricted
+    head's -inf rows, a processor's bans).
     """
     draft = Draft()
     sequence, positions, end = state.sequence, state.positions, state.length
@@ -103,7 +103,7 @@ def _draft_autoregressively(
         sequence[0, end] = token
         draft.tokens.append(token)
         draft.distributions.append(distribution)
-        if alternatives and not selector.do_sample and not selector.has_processors:
+        if alternatives:
             values, indices = (column.tolist() for column in scores[0].topk(alternatives + 1))
             runner_ups = [i for v, i in zip(values, indices) if i != token and v > -float("inf")]
             draft.alternatives.append(runner_ups[:alternatives])

@@ -36,7 +36,7 @@ class SelfSpecParams:
     prompt_lookup_min_ngram: int = 2
     draft_vocab_size: int = 0
     # Runner-up tokens of the draft verified beside each drafted token, in the same forward pass
-    # (greedy decoding, models without sliding windows; see `alternatives.py`).
+    # (see `alternatives.py`).
     draft_alternatives: int = 0
     # Steps between probes of whichever of speculating and plain decoding is currently slower
     # per committed token (0: always speculate); see `ThroughputBackoff`. On the embedded model's

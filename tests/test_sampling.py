@@ -86,6 +86,10 @@ CASES = {
     "lookup_behind_closed_gate": dict(strategy="target_confidence_gated", target_confidence_threshold=1.0,
                                       prompt_lookup_tokens=2, prompt_lookup_min_ngram=1, **SKIP),
     "restricted_draft_head": dict(strategy="self_speculative", draft_vocab_size=2, draft_exit_threshold=0.0, **SKIP),
+    # Each rejected token's replacement is offered the draft's runner-ups first.
+    "alternatives": dict(strategy="self_speculative", draft_alternatives=2, draft_exit_threshold=0.0, **SKIP),
+    "alternatives_with_lookup": dict(strategy="self_speculative", draft_alternatives=1, prompt_lookup_tokens=2,
+                                     prompt_lookup_min_ngram=1, draft_exit_threshold=0.0, **SKIP),
 }
 
 
@@ -102,6 +106,18 @@ def test_bfloat16_sampling_follows_the_plain_sampling_distribution(case):
     bfloat16_model = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.5, seed=11).to(torch.bfloat16)
     counts = _sample_counts(bfloat16_model, seed=2024, **CASES[case])
     assert _goodness_of_fit(counts, _exact_joint(bfloat16_model)) > 1e-3
+
+
+def test_alternatives_are_accepted_while_sampling(model):
+    """The distribution tests above have teeth for alternatives only if they are taken."""
+    torch.manual_seed(5)
+    rescued = sum(
+        model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True,
+                       temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0, return_dict_in_generate=True,
+                       **CASES["alternatives"]).strategy_stats.accepted_alternatives
+        for _ in range(100)
+    )
+    assert rescued > 10
 
 
 def test_gate_over_an_assistant_keeps_the_distribution(model):
