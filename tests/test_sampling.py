@@ -99,7 +99,7 @@ def test_first_tokens_follow_the_plain_sampling_distribution(model, case):
     assert _goodness_of_fit(counts, _exact_joint(model)) > 1e-3
 
 
-@pytest.mark.parametrize("case", ["self_speculative", "prompt_lookup", "target_confidence_gated"])
+@pytest.mark.parametrize("case", ["self_speculative", "prompt_lookup", "target_confidence_gated", "alternatives"])
 def test_bfloat16_sampling_follows_the_plain_sampling_distribution(case):
     """In bfloat16 the verifier's probabilities round differently from plain steps' by an ulp or
     so, far below what 1500 samples resolve; a sampler that skipped verification would not be."""
