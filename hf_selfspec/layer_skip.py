@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .cache import DraftAwareCache
+from .masks import layer_attention_types
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -84,7 +85,7 @@ class LayerSkipper:
         return forward
 
     def _redirect_for(self, model: nn.Module, attn_skipped: set[int]) -> dict[int, int]:
-        layer_types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        layer_types = layer_attention_types(model.config)
         running = [i for i in range(len(self.layers)) if i not in attn_skipped]
         redirect = {}
         for index in attn_skipped:

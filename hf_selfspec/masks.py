@@ -23,13 +23,14 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
 
-def attention_layer_types(config) -> set[str]:
-    """The kinds of attention among the model's layers, read as transformers reads them to build
-    the model's cache."""
+def layer_attention_types(config) -> list[str]:
+    """Each decoder layer's kind of attention, read as transformers reads it to build the
+    model's cache."""
     types = getattr(config, "layer_types", None)
     if types is None:
-        types = [SLIDING if getattr(config, "sliding_window", None) is not None else FULL]
-    return set(types)
+        kind = SLIDING if getattr(config, "sliding_window", None) is not None else FULL
+        types = [kind] * config.num_hidden_layers
+    return list(types)
 
 
 def check_hand_built_masks_supported(model: nn.Module, feature: str, remedy: str) -> None:
@@ -40,7 +41,7 @@ def check_hand_built_masks_supported(model: nn.Module, feature: str, remedy: str
             f"{feature} needs attn_implementation 'eager' or 'sdpa' (it masks attention by hand), "
             f"not {implementation!r}; {remedy}"
         )
-    unknown = attention_layer_types(model.config) - {FULL, SLIDING}
+    unknown = set(layer_attention_types(model.config)) - {FULL, SLIDING}
     if unknown:
         raise ValueError(
             f"{feature} does not support {model.config.model_type}'s {', '.join(sorted(unknown))} layers "
@@ -61,7 +62,7 @@ def model_attention_mask(
     where every layer attends alike, else one per layer type. `sliding_keys`: how many of the
     newest keys a sliding layer's cache hands its attention (None: all of them)."""
     masks = {}
-    for kind in attention_layer_types(config):
+    for kind in set(layer_attention_types(config)):
         shown = visible
         if kind == SLIDING:
             shown = shown & (query_positions[:, None] - key_positions[None, :] < config.sliding_window)

@@ -80,6 +80,14 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     return None
 
 
+def _decline(strategy_name: str | None, reason: str) -> None:
+    """A call that a strategy cannot run: an explicit strategy (named) fails; a tuned profile's
+    (None) is logged, and the call decodes plainly."""
+    if strategy_name is not None:
+        raise ValueError(f"strategy={strategy_name!r} cannot {reason}")
+    logger.info("Decoding plainly: the tuned profile's strategy cannot %s.", reason)
+
+
 # Read from the mask transformers prepared, not from the call: with no attention_mask given, it
 # masks every token of the input that equals pad_token_id (where that is not an EOS id).
 PADDED_INPUT = (
@@ -131,10 +139,8 @@ class SelfSpecMixin(GenerationMixin):
         config = _call_generation_config(self, args, kwargs)
         reason = _unsupported(config, args, kwargs)
         if reason is not None:
-            if strategy is None:
-                logger.info("Decoding plainly: the tuned profile's strategy cannot %s.", reason)
-                return None
-            raise ValueError(f"strategy={getattr(strategy, 'name', strategy)!r} cannot {reason}")
+            _decline(None if strategy is None else getattr(strategy, "name", strategy), reason)
+            return None
         resolved = resolve_strategy(strategy if strategy is not None else profile.strategy)
         config_values = {name: getattr(config, name) for name in PARAM_NAMES if getattr(config, name, None) is not None}
         params = resolve_params(
@@ -158,9 +164,7 @@ class SelfSpecMixin(GenerationMixin):
         plan, self._selfspec_plan = self._selfspec_plan, None
         mask = model_kwargs.get("attention_mask")
         if plan is not None and mask is not None and not bool(mask.all()):
-            if not plan.from_profile:
-                raise ValueError(f"strategy={plan.strategy.name!r} cannot {PADDED_INPUT}")
-            logger.info("Decoding plainly: the tuned profile's strategy cannot %s.", PADDED_INPUT)
+            _decline(None if plan.from_profile else plan.strategy.name, PADDED_INPUT)
             plan = None
         if plan is None:
             return super()._sample(
