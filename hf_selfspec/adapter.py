@@ -120,15 +120,20 @@ class DraftAdapter(nn.Module):
         takes_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rotary_layer_type = layer_types[shape.exit_layer] if takes_layer_type and layer_types else None
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Normed hidden states `[1, n, hidden]` for the LM head; with `cache`, the inputs extend
-        what it holds (their positions must continue it), without it they are a whole text."""
+        what it holds, without it they are a whole text. Causal unless `attention_mask` (additive,
+        over the cache's keys and the inputs') says otherwise: the tuner drafts side branches."""
         rotary_args = (self.rotary_layer_type,) if self.rotary_layer_type is not None else ()
         position_embeddings = self.rotary(hidden, position_ids, *rotary_args)
         past_length = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = _additive_causal_mask(hidden.shape[1], past_length, hidden)
         output = self.block(
             hidden,
-            attention_mask=_additive_causal_mask(hidden.shape[1], past_length, hidden),
+            attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=cache is not None,

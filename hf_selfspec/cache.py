@@ -18,11 +18,11 @@ from transformers import DynamicCache
 
 
 class DraftAwareCache(DynamicCache):
-    def __init__(self, config, whole_text: bool = False):
-        # whole_text: every layer keeps every key, sliding-window layers too, for a pass whose
-        # rows reach back further than the window from the end of the text (the tuner's
-        # teacher-forced draft); the window is then the mask's to apply.
-        super().__init__(config=None if whole_text else config)
+    def __init__(self, config=None):
+        # Without the model's config every layer keeps every key, sliding-window layers too: for
+        # a pass whose rows reach back further than the window from the end of the text (the
+        # tuner's teacher-forced draft), the window is then the mask's to apply.
+        super().__init__(config=config)
         # Sliding-window layers normally drop what falls out of the window; keeping it until the
         # next rollback is what makes rejected drafts undoable once the text outgrows the window.
         self.activate_past_recording()

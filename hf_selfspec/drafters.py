@@ -70,9 +70,11 @@ NextLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _model_next_logits(model: nn.Module, cache: DraftAwareCache) -> NextLogits:
     def next_logits(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # An assistant model may sit on another device than the text (no copies where it does not).
         return model(
-            input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1
-        ).logits[:, -1]
+            input_ids=input_ids.to(model.device), position_ids=position_ids.to(model.device),
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1].to(input_ids.device)
 
     return next_logits
 
@@ -232,8 +234,9 @@ class ShallowExitDrafter(Drafter):
             input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True
         )
         hidden = torch.cat([*self.backlog, self.shallow], dim=1)
-        start = int(position_ids[0, -1]) + 1 - hidden.shape[1]
-        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)[None]
+        # Counted back from the newest position on the device: reading it to the host would wait
+        # for the shallow layers to finish before the adapter's work could be queued.
+        positions = position_ids[:, -1:] + 1 - hidden.shape[1] + torch.arange(hidden.shape[1], device=hidden.device)
         self.backlog = []
         return self.head(self.adapter(hidden, positions, self.adapter_cache)[:, -1])
 

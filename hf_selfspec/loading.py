@@ -44,7 +44,8 @@ def has_native_bfloat16(device: str | torch.device) -> bool:
     """
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        # Ampere and later; is_bf16_supported() also says yes where it is only emulated (V100, T4).
+        return torch.cuda.get_device_capability(device)[0] >= 8
     if device.type != "cpu":
         return True
     flags = _cpu_flags()

@@ -1,14 +1,18 @@
-"""Timing one `generate` call, the unit that the bench and the tuner both interleave."""
+"""Timing on the model's device: one `generate` call, the unit that the bench and the tuner both
+interleave, and the forward passes the tuner's cost model is built from."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .stats import StrategyStats
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -25,6 +29,16 @@ class TimedRun:
         return len(self.new_tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+def timed(run: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """`run()`'s result and wall seconds. A GPU runs its queue behind Python's back, so the clock
+    starts on an idle device and stops only once the work `run` queued has finished."""
+    _synchronize(device)
+    started = time.perf_counter()
+    result = run()
+    _synchronize(device)
+    return result, time.perf_counter() - started
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -34,11 +48,9 @@ def timed_generate(model, inputs: dict[str, torch.Tensor], **generate_kwargs: An
     """Run `model.generate` on one prompt and time it end to end (prefill included)."""
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
     prompt_length = inputs["input_ids"].shape[1]
-    _synchronize(model.device)
-    start = time.perf_counter()
-    output = model.generate(**inputs, return_dict_in_generate=True, **generate_kwargs)
-    _synchronize(model.device)
-    seconds = time.perf_counter() - start
+    output, seconds = timed(
+        lambda: model.generate(**inputs, return_dict_in_generate=True, **generate_kwargs), model.device
+    )
     return TimedRun(
         new_tokens=output.sequences[0, prompt_length:].tolist(),
         seconds=seconds,

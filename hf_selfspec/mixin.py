@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache, GenerationMixin
+from transformers import DynamicCache, GenerationMixin, SynthIDTextWatermarkingConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import anchor_profile_files
@@ -71,6 +71,14 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
         return "decode with use_cache=False"
     if setting("output_attentions", False) or setting("output_hidden_states", False):
         return "return attentions or hidden states"
+    if kwargs.get("inputs_embeds") is not None:
+        return "start from inputs_embeds: a strategy drafts and verifies token ids"
+    # Processors that keep state from one call to the next, assuming one call per new token in
+    # order; a verification scores several positions at once, some of them never committed.
+    if setting("guidance_scale") not in (None, 1):
+        return "use classifier-free guidance (guidance_scale): its processor decodes the unguided text step by step"
+    if isinstance(setting("watermarking_config"), SynthIDTextWatermarkingConfig):
+        return "watermark with SynthID: its processor remembers every context it has scored"
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     batch = (inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else 1) * (
         setting("num_return_sequences", 1) or 1
@@ -96,6 +104,43 @@ PADDED_INPUT = (
 )
 
 
+_PROMPT_TENSORS = ("input_ids", "inputs", "attention_mask")
+
+
+def _prompt_on_device(
+    device: torch.device, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any], torch.device | None]:
+    """The call with its prompt on the model's `device`, and the device it came from if another.
+
+    Plain decoding takes a prompt on another device than the model's (a CPU prompt for a GPU
+    model): it builds its logits processors and stopping criteria there and moves each forward's
+    inputs. Our loop keeps the text on the model's device, so the prompt moves before transformers
+    builds them, and the output moves back after.
+    """
+    prompt = args[0] if args else next((kwargs[name] for name in _PROMPT_TENSORS[:2] if name in kwargs), None)
+    if not isinstance(prompt, torch.Tensor) or prompt.device == device:
+        return args, kwargs, None
+    args = tuple(value.to(device) if isinstance(value, torch.Tensor) else value for value in args)
+    kwargs = {
+        name: value.to(device) if name in _PROMPT_TENSORS and isinstance(value, torch.Tensor) else value
+        for name, value in kwargs.items()
+    }
+    return args, kwargs, prompt.device
+
+
+def _output_on_device(output, device: torch.device | None):
+    """`generate`'s tokens, scores and logits on `device`, where plain decoding would leave them."""
+    if device is None:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output.to(device)
+    output.sequences = output.sequences.to(device)
+    for name in ("scores", "logits"):
+        if getattr(output, name, None) is not None:
+            setattr(output, name, tuple(row.to(device) for row in getattr(output, name)))
+    return output
+
+
 class SelfSpecMixin(GenerationMixin):
     """Adds `strategy=` (and the strategy parameters) to `generate`.
 
@@ -118,9 +163,10 @@ class SelfSpecMixin(GenerationMixin):
         if plan is None:
             return super().generate(*args, **kwargs)
         kwargs.pop("assistant_model", None)  # ours to draft with; transformers must not see it
+        args, kwargs, caller_device = _prompt_on_device(self.device, args, kwargs)
         self._selfspec_plan = plan
         try:
-            return super().generate(*args, **kwargs)
+            return _output_on_device(super().generate(*args, **kwargs), caller_device)
         finally:
             self._selfspec_plan = None
 
@@ -180,7 +226,7 @@ class SelfSpecMixin(GenerationMixin):
                 self,
                 cache,
                 parts,
-                input_ids.to(self.device),  # plain decoding accepts CPU inputs for a GPU model too
+                input_ids,
                 TokenSelector(logits_processor, generation_config.do_sample),
                 stopping_criteria,
                 max_length=generation_config.max_length,

@@ -65,11 +65,13 @@ def verify(selector: TokenSelector, state: DecodingState, draft: Draft, logits: 
         accepted = 0
         while accepted < len(drafted) and targets[accepted] == drafted[accepted]:
             accepted += 1
-        if accepted < len(drafted) and (accepted, targets[accepted]) in alternative_rows(draft.alternatives):
+        target = targets[accepted]
+        row = _alternative_row(draft, accepted, target) if accepted < len(drafted) else None
+        if row is not None:
             prefix = state.sequence[:, : state.length + accepted]
-            return _with_alternative(selector, prefix, accepted, targets[accepted], draft, [logits[: accepted + 1]], logits)
+            return _with_alternative(selector, prefix, accepted, target, row, draft, [logits[: accepted + 1]], logits)
         rows = logits[: accepted + 1]
-        return Verdict(drafted[:accepted] + [targets[accepted]], accepted, rows, rows)
+        return Verdict(drafted[:accepted] + [target], accepted, rows, rows)
 
     score_rows = []
     for position in range(len(drafted) + 1):
@@ -85,19 +87,30 @@ def verify(selector: TokenSelector, state: DecodingState, draft: Draft, logits: 
             q_proposal = float(draft.distributions[position][proposal]) if draft.distributions else 1.0
             if float(torch.rand(())) < float(p[proposal]) / q_proposal:
                 continue
-            q = draft.distributions[position] if draft.distributions else torch.nn.functional.one_hot(
-                torch.tensor(proposal), p.numel()
-            ).to(p.dtype)
+            if draft.distributions:
+                q = draft.distributions[position]
+            else:  # a proposal without a distribution (prompt lookup) is certain
+                q = torch.zeros_like(p)
+                q[proposal] = 1.0
             token, was_offered = _draw_offering(_residual(p, q), offered)
         elif token == proposal:
             continue
         else:
             was_offered = token in offered
         if was_offered:
-            return _with_alternative(selector, prefix, position, token, draft, score_rows, logits)
+            row = _alternative_row(draft, position, token)
+            return _with_alternative(selector, prefix, position, token, row, draft, score_rows, logits)
         break
     accepted = len(score_rows) - 1
     return Verdict(drafted[:accepted] + [token], accepted, torch.cat(score_rows), logits[: accepted + 1])
+
+
+def _alternative_row(draft: Draft, position: int, token: int) -> int | None:
+    """The logits row of `token` verified as an alternative at drafted `position`, if it was."""
+    branches = alternative_rows(draft.alternatives)
+    if (position, token) not in branches:
+        return None
+    return len(draft.tokens) + 1 + branches.index((position, token))
 
 
 def _with_alternative(
@@ -105,13 +118,13 @@ def _with_alternative(
     prefix: torch.Tensor,
     position: int,
     token: int,
+    row: int,
     draft: Draft,
     score_rows: list[torch.Tensor],
     logits: torch.Tensor,
 ) -> Verdict:
-    """The chain up to `position`, the alternative `token` there, and the verifier's next token,
-    chosen from the alternative's own row as plain decoding would after that text."""
-    row = len(draft.tokens) + 1 + alternative_rows(draft.alternatives).index((position, token))
+    """The chain up to `position`, the alternative `token` there (verified in logits row `row`),
+    and the verifier's next token, chosen from that row as plain decoding would after that text."""
     branch_prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
     scores = selector.scores(branch_prefix, logits[row : row + 1])
     next_token, _ = selector.pick(scores)

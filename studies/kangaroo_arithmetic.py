@@ -82,8 +82,9 @@ def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse
         rows = []
         knobs = {"draft_adapter": adapter, "draft_vocab_size": args.draft_vocab_size, "prompt_lookup_tokens": 0,
                  "draft_alternatives": args.draft_alternatives}
-        adapter_params = resolve_params(num_layers, knobs)
-        # The drafts depend on the adapter and the head, not on how many of them are proposed.
+        # The drafts depend on the adapter and the head, not on how many of them are proposed:
+        # drafted once, as far past each wrong guess as the longest setting goes.
+        adapter_params = resolve_params(num_layers, {**knobs, "max_draft_tokens": max(MAX_DRAFT_TOKENS)})
         drafts = [draft_predictions(model, data, adapter_params) for data in forced]
         for max_draft, threshold in itertools.product(MAX_DRAFT_TOKENS, EXIT_THRESHOLDS):
             if 1 + max_draft * (1 + args.draft_alternatives) > args.max_verify_rows:

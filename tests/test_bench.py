@@ -18,7 +18,7 @@ from hf_selfspec.bench.table import RED, RESET, render
 from hf_selfspec.cli import main
 from hf_selfspec.hub.package import package
 from hf_selfspec.loading import load_model_and_tokenizer
-from hf_selfspec.measure import TimedRun
+from hf_selfspec.measure import TimedRun, timed
 from hf_selfspec.profiles import PROFILE_KEY
 from hf_selfspec.prompts import Prompt, encode_prompt, load_prompts
 from hf_selfspec.strategies import resolve_strategy
@@ -439,3 +439,16 @@ def test_compare_config_runs_another_tuned_profile_in_the_same_run(tiny_llama_di
     capsys.readouterr()
     assert main([*argv[:-1], str(other_dir / "bfloat16-only.json"), *BENCH_FLAGS]) == 2
     assert "--compare-config " + str(other_dir / "bfloat16-only.json") + " has no profile for cpu/float32" in capsys.readouterr().err
+
+
+def test_timing_waits_for_the_gpu_queue_on_both_sides(monkeypatch):
+    """A GPU runs what Python queued after Python has moved on: a clock read without synchronising
+    would time the launches (the bench's and the tuner's calibration's)."""
+    events: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("synchronize", str(device))))
+    result, seconds = timed(lambda: events.append("run") or 7, torch.device("cuda:0"))
+    assert result == 7 and seconds >= 0
+    assert events == [("synchronize", "cuda:0"), "run", ("synchronize", "cuda:0")]
+    events.clear()
+    timed(lambda: events.append("run"), torch.device("cpu"))
+    assert events == ["run"]

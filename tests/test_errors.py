@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, SynthIDTextWatermarkingConfig
 
 import hf_selfspec
 from hf_selfspec import embedded
@@ -68,6 +68,10 @@ def test_parameters_from_generation_config_are_validated(model):
         ({"use_cache": False}, "use_cache=False"),
         ({"output_attentions": True}, "attentions"),
         ({"num_return_sequences": 2, "do_sample": True}, "batch of 2"),
+        # Stateful processors, which plain decoding calls once per token, in order.
+        ({"guidance_scale": 1.5}, "classifier-free guidance"),
+        ({"watermarking_config": SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)}, "SynthID"),
+        ({"inputs_embeds": torch.zeros(1, 4, 64)}, "inputs_embeds"),
     ],
 )
 def test_unsupported_generation_modes_raise(model, kwargs, message):

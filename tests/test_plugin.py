@@ -114,3 +114,27 @@ def test_a_stopping_criterion_that_reads_scores_stops_where_plain_stops():
     assert plain.sequences.shape[1] == PROMPT.shape[1] + chosen.index(lowest) + 1
     assert ours.sequences.tolist() == plain.sequences.tolist()
     assert ours.strategy_stats.drafted_tokens > 0
+
+
+def test_a_prompt_on_another_device_than_the_model_moves_there_and_the_output_back():
+    """Plain decoding takes a CPU prompt for a GPU model and returns CPU tensors; our loop runs
+    where the model is. No second device here, so the meta device stands in for the GPU."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    from hf_selfspec.mixin import _output_on_device, _prompt_on_device
+
+    gpu = torch.device("meta")
+    mask = torch.ones_like(PROMPT)
+    args, kwargs, caller = _prompt_on_device(gpu, (PROMPT,), {"attention_mask": mask, "max_new_tokens": 4})
+    assert caller == torch.device("cpu")
+    assert args[0].device == gpu and kwargs["attention_mask"].device == gpu and kwargs["max_new_tokens"] == 4
+    args, kwargs, caller = _prompt_on_device(gpu, (), {"input_ids": PROMPT})
+    assert caller == torch.device("cpu") and kwargs["input_ids"].device == gpu
+    same = {"input_ids": PROMPT, "attention_mask": mask}
+    assert _prompt_on_device(torch.device("cpu"), (), same) == ((), same, None)
+
+    output = GenerateDecoderOnlyOutput(sequences=PROMPT, scores=(torch.zeros(1, 8),), logits=None)
+    moved = _output_on_device(output, gpu)
+    assert moved.sequences.device == gpu and moved.scores[0].device == gpu and moved.logits is None
+    assert _output_on_device(PROMPT, gpu).device == gpu
+    assert _output_on_device(PROMPT, None) is PROMPT

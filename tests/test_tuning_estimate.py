@@ -18,7 +18,14 @@ from hf_selfspec.selection import TokenSelector
 from test_kangaroo import _random_adapter
 from tiny_models import NUM_LAYERS, tiny_model
 from hf_selfspec.tuning.config import StudyConfigError, load_study_config
-from hf_selfspec.tuning.estimate import CostModel, check_supported, draft_predictions, replay_decode, teacher_force
+from hf_selfspec.tuning.estimate import (
+    CostModel,
+    calibrate,
+    check_supported,
+    draft_predictions,
+    replay_decode,
+    teacher_force,
+)
 from hf_selfspec.tuning.export import export_profile
 from hf_selfspec.tuning.objective import PreparedPrompt
 from hf_selfspec.tuning.space import decode_params
@@ -93,24 +100,27 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
 
 
 @pytest.mark.parametrize(
-    "architecture, exit_layer, mlp, draft_vocab_size, draft_alternatives",
+    "architecture, exit_layer, mlp, draft_vocab_size, draft_alternatives, threshold",
     [
-        ("llama", 1, True, 0, 0), ("llama", 2, False, 24, 0), ("llama", 1, True, 24, 1), ("llama", 2, True, 0, 2),
+        ("llama", 1, True, 0, 0, 0.0), ("llama", 2, False, 24, 0, 0.3), ("llama", 1, True, 24, 1, 0.6),
+        ("llama", 2, True, 0, 2, 0.3), ("qwen3", 1, True, 0, 0, 0.3), ("qwen3", 2, True, 0, 0, 0.3),
         # Text longer than the window: the pass keeps every key and masks each layer type.
-        ("mistral", 1, True, 0, 2), ("qwen2", 2, True, 24, 1), ("gemma2", 1, True, 0, 2), ("gemma3", 2, True, 0, 1),
+        ("mistral", 2, True, 0, 2, 0.3), ("qwen2", 2, True, 24, 1, 0.0), ("gemma2", 1, True, 0, 2, 0.6),
+        ("gemma3", 2, True, 0, 1, 0.3),
     ],
 )
 def test_replay_counts_what_decoding_with_a_trained_adapter_does(
-    tmp_path, architecture, exit_layer, mlp, draft_vocab_size, draft_alternatives
+    tmp_path, architecture, exit_layer, mlp, draft_vocab_size, draft_alternatives, threshold
 ):
     """An adapter drafts from the full model's own shallow layers, so as long as its tokens are
     right, the one pass over the text predicts exactly what a real draft proposes next, and its
-    runner-ups: the replay matches a real decode step for step, rejections and rescues by an
-    alternative included (no exit threshold, so the drafted counts must match too)."""
+    runner-ups; past a wrong token, the side branches draft what the real draft goes on to
+    propose and how sure it is. So the replay matches a real decode step for step: rejections,
+    rescues by an alternative, and where an exit threshold stops each draft."""
     model = _sharp(architecture)
     adapter = _random_adapter(model, exit_layer, tmp_path, mlp=mlp)
     params = resolve_params(NUM_LAYERS, {
-        "draft_adapter": adapter, "max_draft_tokens": 4, "draft_exit_threshold": 0.0,
+        "draft_adapter": adapter, "max_draft_tokens": 4, "draft_exit_threshold": threshold,
         "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
     })  # fmt: skip
     accepted = drafted = rescued = 0
@@ -138,6 +148,28 @@ def test_an_adapter_draft_is_priced_as_the_layers_below_its_exit_and_one_more_bl
     for exit_layer, mlp, units in ((1, True, 2 + 20), (2, False, 3 + 20), (3, True, 4 + 40)):
         params = resolve_params(NUM_LAYERS, {"draft_adapter": _random_adapter(model, exit_layer, tmp_path, mlp=mlp)})
         assert cost.draft_token_seconds(params) == units, (exit_layer, mlp)
+
+
+def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(sharp_llama, tmp_path):
+    """An adapter's block, mask and rotary set-up are not a decoder layer's, so calibration times
+    each listed adapter's real draft; a trial choosing it is priced at that time (the restricted
+    head's difference added as for any draft), and the prompt's teacher-forced KV, which every
+    trial then reads, is left exactly as it was."""
+    data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in data.cache.layers]
+    adapters = [_random_adapter(sharp_llama, exit_layer, tmp_path) for exit_layer in (1, 3)]
+    cost = calibrate(sharp_llama, [data], NUM_LAYERS, 4, adapters)
+    assert sorted(cost.adapter_draft_seconds) == sorted(adapters)
+    for adapter in adapters:
+        timed = cost.adapter_draft_seconds[adapter]
+        assert timed > 0
+        assert cost.draft_token_seconds(resolve_params(NUM_LAYERS, {"draft_adapter": adapter})) == timed
+        restricted = resolve_params(NUM_LAYERS, {"draft_adapter": adapter, "draft_vocab_size": 32})
+        head = cost.restricted_head_constant + 32 * cost.restricted_head_per_row
+        assert cost.draft_token_seconds(restricted) == pytest.approx(max(timed + head, 0.0))
+    assert data.cache.get_seq_length() == data.kv_length
+    for (keys, values), layer in zip(kept, data.cache.layers, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
 def test_replay_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):

@@ -13,21 +13,20 @@ The pass masks attention so that the draft at each position reads the full model
 text before it, as a real draft does for committed text; its first proposal after every prefix
 is therefore exact. A trained adapter's draft (Kangaroo) is exact further: its shallow layers
 are the full model's own, so while its earlier tokens are right its later ones read exactly the
-text the pass gives them. The draft's alternatives (`draft_alternatives`) are its runner-ups at
-each position, kept from the same pass. What is approximated: a layer-skip draft's second and
-later tokens read the KV of its own earlier draft tokens, here the full model's; exit and gate
-decisions after a rejected token use teacher-forced confidences; logits processors are not
-applied; an adapter's draft is priced from the per-layer costs, not timed; and the cost model
-is only as steady as the machine was while it was timed. So the estimate ranks trials; the top
-ones are then confirmed by real decoding (`confirm_top`), and only measured speedups are
-reported as such.
+text the pass gives them, and past a wrong token its real continuation is drafted too, on side
+branches. The draft's alternatives (`draft_alternatives`) are its runner-ups at each position,
+kept from the same pass. What is approximated: a layer-skip draft's second and later tokens
+read the KV of its own earlier draft tokens, here the full model's, and past a wrong token it
+is taken to go on with the next positions' teacher-forced guesses; logits processors are not
+applied; and the cost model is only as steady as the machine was while it was timed. So the
+estimate ranks trials; the top ones are then confirmed by real decoding (`confirm_top`), and
+only measured speedups are reported as such.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,15 +34,22 @@ from typing import Any
 
 import optuna
 import torch
-from transformers import LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList
 
-from hf_selfspec.adapter import load_adapter, read_adapter_shape
+from hf_selfspec.adapter import DraftAdapter, load_adapter, read_adapter_shape
 from hf_selfspec.cache import DraftAwareCache
-from hf_selfspec.drafters import DecodingState, LayerSkipDrafter, RestrictedDraftHead, lookup_proposal
+from hf_selfspec.drafters import (
+    DecodingState,
+    Drafter,
+    LayerSkipDrafter,
+    RestrictedDraftHead,
+    ShallowExitDrafter,
+    lookup_proposal,
+)
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
-from hf_selfspec.masks import check_hand_built_masks_supported, model_attention_mask
+from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import LayerSkipper, decoder_layers
-from hf_selfspec.measure import timed_generate
+from hf_selfspec.measure import timed, timed_generate
 from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
@@ -63,13 +69,8 @@ _HEAD_ROUNDS = 25
 _VERIFY_ROUNDS = 7
 
 
-def _typical(run, rounds: int = _CALIBRATION_ROUNDS) -> float:
-    timings = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        run()
-        timings.append(time.perf_counter() - started)
-    return statistics.median(timings)
+def _typical(run, device: torch.device, rounds: int = _CALIBRATION_ROUNDS) -> float:
+    return statistics.median(timed(run, device)[1] for _ in range(rounds))
 
 
 @dataclass(frozen=True)
@@ -93,17 +94,24 @@ class CostModel:
     restricted_head_constant: float  # relative to the full head
     restricted_head_per_row: float
     loop_step_overhead: float = 0.0
+    # A trained adapter's draft token with the full head, timed: its block, mask and rotary set-up
+    # are not a decoder layer's, and the shallow layers are few enough for overheads to weigh.
+    adapter_draft_seconds: dict[str, float] = field(default_factory=dict)
 
     def draft_token_seconds(self, params: SelfSpecParams) -> float:
-        """A trained adapter's draft runs the layers below its exit whole and bypasses the rest,
-        and its own block is one more layer of the same shapes (with or without its MLP)."""
-        if params.draft_adapter:
-            shape = read_adapter_shape(params.draft_adapter)
-            attention_run, mlp_run = shape.exit_layer + 1, shape.exit_layer + int(shape.mlp)
+        """An adapter calibration did not time (a cost model in units of a step, written by hand)
+        is priced as the layers below its exit, run whole, and one more layer of the same shapes
+        for its block (with or without its MLP)."""
+        if params.draft_adapter in self.adapter_draft_seconds:
+            seconds = self.adapter_draft_seconds[params.draft_adapter]
         else:
-            attention_run = self.num_layers - len(params.attn_skip_layers)
-            mlp_run = self.num_layers - len(params.mlp_skip_layers)
-        seconds = self.draft_constant + attention_run * self.attention_seconds + mlp_run * self.mlp_seconds
+            if params.draft_adapter:
+                shape = read_adapter_shape(params.draft_adapter)
+                attention_run, mlp_run = shape.exit_layer + 1, shape.exit_layer + int(shape.mlp)
+            else:
+                attention_run = self.num_layers - len(params.attn_skip_layers)
+                mlp_run = self.num_layers - len(params.mlp_skip_layers)
+            seconds = self.draft_constant + attention_run * self.attention_seconds + mlp_run * self.mlp_seconds
         if params.draft_vocab_size:
             seconds += self.restricted_head_constant + params.draft_vocab_size * self.restricted_head_per_row
         return max(seconds, 0.0)
@@ -159,8 +167,10 @@ def teacher_force(model, prompt: PreparedPrompt, max_new_tokens: int) -> Teacher
     length = prompt_ids.shape[1]
     reference = torch.tensor(prompt.reference_tokens, device=model.device)
     full_text = torch.cat([prompt_ids[0], reference])
-    cache = DraftAwareCache(model.config, whole_text=True)  # the draft pass reads back from every row
-    prefill_seconds = _typical(lambda: (cache.rollback(0), _forward(model, prompt_ids, 0, cache, 1)), rounds=2)
+    cache = DraftAwareCache()  # no windows: the draft pass reads back from every row
+    prefill_seconds = _typical(
+        lambda: (cache.rollback(0), _forward(model, prompt_ids, 0, cache, 1)), model.device, rounds=2
+    )
     # The verifier's probabilities of its own tokens, for the gate: row j scores continuation token j.
     cache.rollback(length - 1)
     logits = _forward(model, full_text[None, length - 1 : -1], length - 1, cache, 0).logits[0]
@@ -171,8 +181,15 @@ def teacher_force(model, prompt: PreparedPrompt, max_new_tokens: int) -> Teacher
 
 
 @torch.no_grad()
-def calibrate(model, prompts: Sequence[TeacherForcedPrompt], num_layers: int, max_verify_tokens: int) -> CostModel:
-    """Time the verifier at every width and the draft at a few skip sets, after the first prompt.
+def calibrate(
+    model,
+    prompts: Sequence[TeacherForcedPrompt],
+    num_layers: int,
+    max_verify_tokens: int,
+    draft_adapters: Sequence[str] = (),
+) -> CostModel:
+    """Time the verifier at every width, the draft at a few skip sets and each trained adapter's
+    draft, after the first prompt.
 
     What the prompts' plain decodes spent beyond their prefill and one forward per token is the
     per-step overhead (the median, since the first decode of a process also pays its warm-up).
@@ -185,9 +202,8 @@ def calibrate(model, prompts: Sequence[TeacherForcedPrompt], num_layers: int, ma
     rounds: list[list[float]] = [[] for _ in range(max_verify_tokens + 1)]
     for _ in range(_VERIFY_ROUNDS):
         for tokens in range(1, max_verify_tokens + 1):
-            started = time.perf_counter()
-            _forward(model, text[None, -tokens:], kv_length, cache, tokens)
-            rounds[tokens].append(time.perf_counter() - started)
+            _, seconds = timed(partial(_forward, model, text[None, -tokens:], kv_length, cache, tokens), model.device)
+            rounds[tokens].append(seconds)
             cache.rollback(kv_length)
     verify_seconds = (0.0, *(statistics.median(timings) for timings in rounds[1:]))
     overheads = sorted(
@@ -197,9 +213,7 @@ def calibrate(model, prompts: Sequence[TeacherForcedPrompt], num_layers: int, ma
         if len(data.reference) > 1
     )
 
-    def draft(attn_skip: Sequence[int], mlp_skip: Sequence[int], vocab: int) -> float:
-        skipper = LayerSkipper(model, tuple(attn_skip), tuple(mlp_skip))
-        drafter = LayerSkipDrafter(model, cache, skipper, vocab)
+    def seconds_per_draft_token(drafter: Drafter, cache: DraftAwareCache) -> float:
         sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
         sequence[0, : kv_length + 1] = text
         state = DecodingState(sequence, torch.arange(sequence.shape[1], device=text.device)[None], kv_length + 1)
@@ -208,22 +222,38 @@ def calibrate(model, prompts: Sequence[TeacherForcedPrompt], num_layers: int, ma
         def run():
             drafter.propose(state, _CALIBRATION_TOKENS, never_exit, selector)
             cache.rollback(kv_length)
+            drafter.rollback(kv_length)
 
         try:
-            return _typical(run) / _CALIBRATION_TOKENS
+            run()  # untimed: an adapter's first draft also takes in the committed text
+            return _typical(run, model.device) / _CALIBRATION_TOKENS
         finally:
             drafter.close()
 
-    all_but_first = range(1, num_layers)
-    full = draft((), (), 0)
-    one_attention = draft(all_but_first, (), 0)
-    one_mlp = draft((), all_but_first, 0)
+    def skipping(attn_skip: Sequence[int], mlp_skip: Sequence[int]) -> float:
+        drafter = LayerSkipDrafter(model, cache, LayerSkipper(model, attn_skip, mlp_skip))
+        return seconds_per_draft_token(drafter, cache)
+
+    def adapter_draft(path: str) -> float:
+        # A prefill of its own with the drafter listening, so that the adapter's attention spans
+        # the committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
+        own_cache = DraftAwareCache(model.config)
+        drafter = ShallowExitDrafter(model, own_cache, load_adapter(model, path))
+        _forward(model, text[None, :kv_length], 0, own_cache, 1)
+        drafter.rollback(kv_length)
+        return seconds_per_draft_token(drafter, own_cache)
+
+    all_but_first = tuple(range(1, num_layers))
+    full = skipping((), ())
+    one_attention = skipping(all_but_first, ())
+    one_mlp = skipping((), all_but_first)
     # The head alone, timed directly: its share of a draft step is too small to read off
     # whole-step timings through their noise.
     hidden = torch.zeros((1, model.config.hidden_size), dtype=model.dtype, device=text.device)
-    full_head = _typical(lambda: model.get_output_embeddings()(hidden), rounds=_HEAD_ROUNDS)
+    full_head = _typical(lambda: model.get_output_embeddings()(hidden), model.device, rounds=_HEAD_ROUNDS)
     small_head, large_head = (
-        _typical(partial(RestrictedDraftHead(model, size, text[:1]), hidden), rounds=_HEAD_ROUNDS) for size in _HEAD_SIZES
+        _typical(partial(RestrictedDraftHead(model, size, text[:1]), hidden), model.device, rounds=_HEAD_ROUNDS)
+        for size in _HEAD_SIZES
     )
     spread = max(num_layers - 1, 1)
     attention_seconds = (full - one_attention) / spread
@@ -238,6 +268,7 @@ def calibrate(model, prompts: Sequence[TeacherForcedPrompt], num_layers: int, ma
         mlp_seconds=mlp_seconds,
         restricted_head_constant=small_head - full_head - _HEAD_SIZES[0] * per_row,
         restricted_head_per_row=per_row,
+        adapter_draft_seconds={path: adapter_draft(path) for path in draft_adapters},
     )
 
 
@@ -297,13 +328,74 @@ def _shallow_states(model, data: TeacherForcedPrompt, exit_layer: int) -> torch.
     return data.shallow_states[exit_layer]
 
 
-def _adapter_hidden(model, data: TeacherForcedPrompt, adapter_path: str) -> torch.Tensor:
+def _adapter_hidden(model, data: TeacherForcedPrompt, adapter: DraftAdapter) -> tuple[torch.Tensor, DynamicCache]:
     """The adapter's output after each committed continuation token, from one causal pass of
-    its block over the shallow states of the whole text."""
-    adapter = load_adapter(model, adapter_path)
+    its block over the shallow states of the whole text, and the block's KV of that text."""
     shallow = _shallow_states(model, data, adapter.shape.exit_layer)
     positions = torch.arange(shallow.shape[1], device=shallow.device)[None]
-    return adapter(shallow, positions)[0, data.prompt_length :]
+    cache = DynamicCache()
+    return adapter(shallow, positions, cache)[0, data.prompt_length :], cache
+
+
+@torch.no_grad()
+def _adapter_drafts_past_misses(
+    model,
+    data: TeacherForcedPrompt,
+    adapter: DraftAdapter,
+    adapter_cache: DynamicCache,
+    head: RestrictedDraftHead,
+    guesses: list[int],
+    depth: int,
+) -> dict[int, list[tuple[int, float]]]:
+    """Where the adapter guesses wrong (row j: its guess at continuation token j + 1), what a
+    real draft then goes on to propose: up to `depth` tokens and the draft's confidence in each.
+
+    Every row's text before its wrong guess is right, so each continuation is a side branch off
+    the committed text: all of them are drafted at once, one token deep per pass, each branch
+    seeing the text up to its guess and its own tokens (one mask), through the model's own
+    shallow layers and the adapter, as a decode runs them.
+    """
+    misses = [row for row, guess in enumerate(guesses) if guess != data.reference[row + 1]]
+    if not misses or depth < 1:
+        return {}
+    device = data.full_text.device
+    rows = torch.tensor(misses, device=device)
+    committed = torch.arange(data.kv_length, device=device)
+    sees_text = committed[None, :] <= data.prompt_length + rows[:, None]  # up to the wrong guess's input
+    own_branch = torch.eye(len(misses), dtype=torch.bool, device=device)
+    layers = decoder_layers(model)
+    above = tuple(range(adapter.shape.exit_layer, len(layers)))
+    skipper, shallow = LayerSkipper(model, above, above), []
+    hook = layers[adapter.shape.exit_layer - 1].register_forward_hook(
+        lambda module, args, output: shallow.append(output[0] if isinstance(output, tuple) else output)
+    )
+    tokens = torch.tensor([guesses[row] for row in misses], device=device)
+    key_positions, drafted = [committed], [[] for _ in misses]
+    try:
+        with skipper.drafting(data.cache):
+            for step in range(1, depth + 1):
+                positions = data.prompt_length + rows + step
+                key_positions.append(positions)
+                visible = torch.cat([sees_text, own_branch.repeat(1, step)], dim=1)
+                model.get_decoder()(
+                    input_ids=tokens[None],
+                    position_ids=positions[None],
+                    past_key_values=data.cache,
+                    use_cache=True,
+                    attention_mask=model_attention_mask(
+                        model.config, visible, positions, torch.cat(key_positions), model.dtype
+                    ),
+                )
+                hidden = adapter(shallow.pop(), positions[None], adapter_cache, additive_mask(visible, model.dtype))
+                best = torch.softmax(head.subset_logits(hidden[0]).float(), dim=-1).max(dim=-1)
+                tokens = head.token_ids[best.indices]
+                for branch, token, confidence in zip(drafted, tokens.tolist(), best.values.tolist()):
+                    branch.append((token, confidence))
+    finally:
+        hook.remove()
+        skipper.close()
+        data.cache.rollback(data.kv_length)
+    return dict(zip(misses, drafted))
 
 
 def _layer_skip_hidden(model, data: TeacherForcedPrompt, params: SelfSpecParams) -> torch.Tensor:
@@ -333,6 +425,20 @@ class DraftPredictions:
     tokens: list[int]
     confidence: list[float]
     alternatives: list[list[int]]  # its `draft_alternatives` runner-ups there
+    # Row j where the guess is wrong -> the tokens a real draft goes on to propose after it, and
+    # its confidence in each; computed for adapters. Elsewhere (a layer-skip draft, whose later
+    # tokens are approximate anyway) the draft is taken to go on with the next rows' guesses.
+    past_misses: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def chain(self, row: int, limit: int) -> list[tuple[int, float]]:
+        """What a real draft starting at `row` proposes, at most `limit` tokens, each with its
+        confidence (the exit policy's input)."""
+        proposed = []
+        for guess_row in range(row, min(row + limit, len(self.tokens))):
+            proposed.append((self.tokens[guess_row], self.confidence[guess_row]))
+            if guess_row in self.past_misses:
+                return proposed + self.past_misses[guess_row][: limit - len(proposed)]
+        return proposed
 
 
 @torch.no_grad()
@@ -341,8 +447,9 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     all read from one pass."""
     if data.kv_length == data.prompt_length:  # a one-token continuation leaves nothing to draft
         return DraftPredictions([], [], [])
-    if params.draft_adapter:
-        hidden = _adapter_hidden(model, data, params.draft_adapter)
+    adapter = load_adapter(model, params.draft_adapter) if params.draft_adapter else None
+    if adapter is not None:
+        hidden, adapter_cache = _adapter_hidden(model, data, adapter)
     else:
         hidden = _layer_skip_hidden(model, data, params)
     # The head a real draft builds: the lowest ids plus the prompt and the first token (with
@@ -351,9 +458,13 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     probabilities = torch.softmax(head.subset_logits(hidden).float(), dim=-1)
     ranked = probabilities.topk(min(1 + params.draft_alternatives, probabilities.shape[-1]), dim=-1)
     ranked_tokens = head.token_ids[ranked.indices].tolist()
-    return DraftPredictions(
-        [row[0] for row in ranked_tokens], ranked.values[:, 0].tolist(), [row[1:] for row in ranked_tokens]
-    )
+    guesses = [row[0] for row in ranked_tokens]
+    past_misses = {}
+    if adapter is not None:
+        past_misses = _adapter_drafts_past_misses(
+            model, data, adapter, adapter_cache, head, guesses, params.max_draft_tokens - 1
+        )
+    return DraftPredictions(guesses, ranked.values[:, 0].tolist(), [row[1:] for row in ranked_tokens], past_misses)
 
 
 def replay_decode(
@@ -389,10 +500,10 @@ def replay_decode(
                     corpus,
                 )
             if not proposals and not is_prefill and gate.should_draft():
-                for row in range(committed - 1, min(committed - 1 + limit, len(draft.tokens))):
-                    proposals.append(draft.tokens[row])
+                for token, confidence in draft.chain(committed - 1, limit):
+                    proposals.append(token)
                     model_drafted += 1
-                    if draft.confidence[row] < exit_policy.threshold:
+                    if confidence < exit_policy.threshold:
                         break
         accepted = 0
         while (

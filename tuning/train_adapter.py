@@ -342,13 +342,15 @@ def teacher_outputs(model, chunks: torch.Tensor, exit_layers: tuple[int, ...], c
     """One forward pass of the model over the corpus, kept on disk (as the model computed it,
     in its dtype) so other exit layers and resumed runs reuse it."""
     if cache_file.is_file():
-        stored = torch.load(cache_file)
+        stored = torch.load(cache_file, map_location="cpu")
         if set(exit_layers) <= set(stored["shallow"]) and torch.equal(stored["chunks"], chunks):
             return TeacherOutputs(stored["chunks"], {e: stored["shallow"][e] for e in exit_layers}, stored["final"])
     layers = decoder_layers(model)
     shallow = {e: [] for e in exit_layers}
     hooks = [
-        layers[e - 1].register_forward_hook(lambda m, a, out, e=e: shallow[e].append(out[0] if isinstance(out, tuple) else out))
+        layers[e - 1].register_forward_hook(
+            lambda m, a, out, e=e: shallow[e].append((out[0] if isinstance(out, tuple) else out).cpu())
+        )
         for e in exit_layers
     ]
     final = []
@@ -358,7 +360,7 @@ def teacher_outputs(model, chunks: torch.Tensor, exit_layers: tuple[int, ...], c
     finally:
         for hook in hooks:
             hook.remove()
-    outputs = TeacherOutputs(chunks, {e: torch.cat(v).cpu() for e, v in shallow.items()}, torch.cat(final))
+    outputs = TeacherOutputs(chunks, {e: torch.cat(v) for e, v in shallow.items()}, torch.cat(final))
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     _atomic_save({"chunks": chunks, "shallow": outputs.shallow, "final": outputs.final}, cache_file)
     return outputs
@@ -413,10 +415,11 @@ def _batch_indices(train_count: int, step: int, batch: int, seed: int) -> torch.
 def heldout_agreement(adapter: DraftAdapter, head: _DistillationHead, shallow: torch.Tensor, final: torch.Tensor) -> float:
     """Top-1 agreement of the draft (adapter, then the training head) with the full model."""
     agree = total = 0
-    positions = torch.arange(shallow.shape[1])[None]
+    device = head.weight.device
+    positions = torch.arange(shallow.shape[1], device=device)[None]
     for index in range(shallow.shape[0]):
-        student = head(adapter(shallow[index : index + 1].float(), positions)).argmax(-1)
-        teacher = head(final[index : index + 1]).argmax(-1)
+        student = head(adapter(shallow[index : index + 1].to(device).float(), positions)).argmax(-1)
+        teacher = head(final[index : index + 1].to(device)).argmax(-1)
         agree += int((student == teacher).sum())
         total += teacher.numel()
     return agree / total
@@ -434,12 +437,13 @@ def train_exit_layer(model, config: TrainAdapterConfig, teacher: TeacherOutputs,
     shallow, final = teacher.shallow[exit_layer], teacher.final
     heldout = max(1, round(shallow.shape[0] * config.corpus.heldout_fraction))
     train_count = shallow.shape[0] - heldout
-    positions = torch.arange(shallow.shape[1])[None]
+    # The teacher's outputs stay in host memory (the whole corpus's), a batch at a time on the model's device.
+    positions = torch.arange(shallow.shape[1], device=model.device)[None]
 
     checkpoint = work_dir(config) / f"exit{exit_layer}.checkpoint.pt"
     step, agreement, loss_value = 0, float("nan"), float("nan")
     if checkpoint.is_file():
-        state = torch.load(checkpoint)
+        state = torch.load(checkpoint, map_location="cpu")  # loading the state copies it to the adapter's device
         adapter.load_state_dict(state["adapter"])
         optimizer.load_state_dict(state["optimizer"])
         step, agreement = state["step"], state["agreement"]
@@ -451,9 +455,9 @@ def train_exit_layer(model, config: TrainAdapterConfig, teacher: TeacherOutputs,
         # Matrix products in the model's own reduced precision where it has one (twice as fast
         # on this project's CPU); the loss and the optimizer stay in float32.
         with torch.autocast(model.device.type, dtype=model.dtype, enabled=model.dtype != torch.float32):
-            student = head(adapter(shallow[batch].float(), positions.expand(len(batch), -1)))
+            student = head(adapter(shallow[batch].to(model.device).float(), positions.expand(len(batch), -1)))
             with torch.no_grad():
-                target = head(final[batch])
+                target = head(final[batch].to(model.device))
         student, target = torch.log_softmax(student.float(), dim=-1), torch.log_softmax(target.float(), dim=-1)
         loss = torch.nn.functional.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
         optimizer.zero_grad(set_to_none=True)
