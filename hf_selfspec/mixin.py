@@ -50,6 +50,11 @@ def _call_generation_config(model: nn.Module, args: tuple, kwargs: dict[str, Any
     return kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
 
 
+def _call_prompt(args: tuple, kwargs: dict[str, Any]):
+    """The prompt this `generate` call was given, by position or by keyword (None if neither)."""
+    return args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+
+
 def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     """Why this call cannot run under a strategy, or None. Reads kwargs over the config."""
 
@@ -79,7 +84,7 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
         return "use classifier-free guidance (guidance_scale): its processor decodes the unguided text step by step"
     if isinstance(setting("watermarking_config"), SynthIDTextWatermarkingConfig):
         return "watermark with SynthID: its processor remembers every context it has scored"
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    inputs = _call_prompt(args, kwargs)
     batch = (inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else 1) * (
         setting("num_return_sequences", 1) or 1
     )
@@ -117,7 +122,7 @@ def _prompt_on_device(
     inputs. Our loop keeps the text on the model's device, so the prompt moves before transformers
     builds them, and the output moves back after.
     """
-    prompt = args[0] if args else next((kwargs[name] for name in _PROMPT_TENSORS[:2] if name in kwargs), None)
+    prompt = _call_prompt(args, kwargs)
     if not isinstance(prompt, torch.Tensor) or prompt.device == device:
         return args, kwargs, None
     args = tuple(value.to(device) if isinstance(value, torch.Tensor) else value for value in args)

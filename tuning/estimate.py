@@ -311,15 +311,20 @@ def _committed_kv_mask(model, data: TeacherForcedPrompt) -> torch.Tensor | dict[
     return model_attention_mask(model.config, visible, query_positions, key_positions, model.dtype)
 
 
+def _keep_outputs_of(layer: torch.nn.Module, kept: list[torch.Tensor]):
+    """Append the hidden states `layer` outputs on every forward to `kept`; returns the hook's handle."""
+    return layer.register_forward_hook(
+        lambda module, args, output: kept.append(output[0] if isinstance(output, tuple) else output)
+    )
+
+
 def _shallow_states(model, data: TeacherForcedPrompt, exit_layer: int) -> torch.Tensor:
     """`[1, kv_length, hidden]`: the output of layer `exit_layer - 1` over the text, which is what
     a real decode's verifications hand an adapter for committed tokens. Kept per exit layer, so
     the trials that choose the same adapter share one pass."""
     if exit_layer not in data.shallow_states:
-        kept = []
-        hook = decoder_layers(model)[exit_layer - 1].register_forward_hook(
-            lambda module, args, output: kept.append(output[0] if isinstance(output, tuple) else output)
-        )
+        kept: list[torch.Tensor] = []
+        hook = _keep_outputs_of(decoder_layers(model)[exit_layer - 1], kept)
         try:
             model.get_decoder()(input_ids=data.full_text[None, :-1], use_cache=False)
         finally:
@@ -366,9 +371,7 @@ def _adapter_drafts_past_misses(
     layers = decoder_layers(model)
     above = tuple(range(adapter.shape.exit_layer, len(layers)))
     skipper, shallow = LayerSkipper(model, above, above), []
-    hook = layers[adapter.shape.exit_layer - 1].register_forward_hook(
-        lambda module, args, output: shallow.append(output[0] if isinstance(output, tuple) else output)
-    )
+    hook = _keep_outputs_of(layers[adapter.shape.exit_layer - 1], shallow)
     tokens = torch.tensor([guesses[row] for row in misses], device=device)
     key_positions, drafted = [committed], [[] for _ in misses]
     try:
