@@ -10,11 +10,23 @@ drafting the layers hold different lengths. Two things follow:
 A verification that accepts one of the draft's alternatives (`alternatives.py`) computed its KV
 past the chain; it moves to the place of the draft token it replaced before the rollback. A
 sliding-window layer holds only the newest keys, so entries are found by counting from the end.
+
+`generate` hands the loop a cache, the caller's own `past_key_values` or one transformers made; the
+loop works in that cache's layer objects (`rollback_view`), so the caller gets them back holding
+the decoded text's KV, as plain decoding leaves them, and a chat can continue from them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+# The layer kinds whose rollback and entry moves this module knows (quantised, offloaded and
+# linear-attention layers keep their state elsewhere).
+ROLLBACK_CAPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class DraftAwareCache(DynamicCache):
@@ -45,6 +57,8 @@ class DraftAwareCache(DynamicCache):
     def rollback(self, length: int) -> None:
         """Truncate every layer to `length` tokens, however far each one grew."""
         for layer in self.layers:
+            if not layer.is_initialized:  # no forward has reached it yet (an assistant's before it drafts)
+                continue
             excess = layer.get_seq_length() - length
             # crop(0) is not a no-op on sliding layers: it trims the recorded past to the window.
             layer.crop(-max(excess, 0))
@@ -56,3 +70,34 @@ class DraftAwareCache(DynamicCache):
             dropped = layer.get_seq_length() - layer.keys.shape[-2]  # a window's oldest, gone
             layer.keys[:, :, target - dropped] = layer.keys[:, :, source - dropped]
             layer.values[:, :, target - dropped] = layer.values[:, :, source - dropped]
+
+
+def why_not_rollback_capable(cache) -> str | None:
+    """Why decoding cannot continue in `cache`'s layers, or None."""
+    if not isinstance(cache, DynamicCache):
+        return f"continue from a {type(cache).__name__}: a strategy rolls back the layers of a DynamicCache"
+    if cache.offloading:
+        return "continue from an offloaded DynamicCache"
+    for layer in cache.layers:
+        if type(layer) not in ROLLBACK_CAPABLE_LAYERS:
+            return f"continue from a cache with {type(layer).__name__} layers"
+    return None
+
+
+@contextmanager
+def rollback_view(cache: DynamicCache) -> Iterator[DraftAwareCache]:
+    """A `DraftAwareCache` over `cache`'s own layer objects, lazily added ones included.
+
+    Sliding-window layers record their past while the view is open, so that rejected drafts can
+    be undone; on closing they stop, as a cache for plain decoding must not keep growing.
+    """
+    view = DraftAwareCache()
+    view.layers, view.layer_class_to_replicate = cache.layers, cache.layer_class_to_replicate
+    recording = [getattr(layer, "record_past", None) for layer in cache.layers]
+    view.activate_past_recording()
+    try:
+        yield view
+    finally:
+        for layer, recorded in zip(cache.layers, recording):
+            if recorded is False:
+                layer.record_past = False

@@ -2,7 +2,9 @@
 
 Positions are explicit and the sequence lives in one preallocated buffer, so a step allocates
 nothing it does not have to. The prompt's prefill is simply the first verification, of whatever
-the drafter can propose without a forward pass (as transformers' assisted decoding does).
+the drafter can propose without a forward pass (as transformers' assisted decoding does). A cache
+that arrives holding the prompt's first tokens (a chat's earlier turns) is continued: the prefill
+covers the rest.
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ def speculative_decode(
     sequence[:, :prompt_length] = input_ids
     positions = torch.arange(max_length, device=input_ids.device).unsqueeze(0)
     state = DecodingState(sequence, positions, prompt_length)
-    kv_length = 0
+    cached_length = kv_length = cache.get_seq_length()
+    parts.drafter.continue_from(state, cached_length)
     kept_scores: list[torch.Tensor] = []
     kept_logits: list[torch.Tensor] = []
     finished = prompt_length >= max_length
 
     while not finished:
-        is_prefill = kv_length == 0
+        is_prefill = kv_length == cached_length
 
         # Draft: the back-off decides whether to speculate at all, the gate whether the model
         # drafts; proposals that cost no forward pass (prompt lookup) need only the back-off,

@@ -52,6 +52,10 @@ class Drafter:
         drafting; none by default."""
         return Draft()
 
+    def continue_from(self, state: DecodingState, cached_length: int) -> None:
+        """The shared cache arrives holding the KV of the text's first `cached_length` tokens (a
+        chat's earlier turns; 0 for a new text), computed before this drafter existed."""
+
     def rollback(self, committed_kv_length: int) -> None:
         """Forget draft state past the KV the verifier kept; the shared cache needs nothing."""
 
@@ -249,6 +253,19 @@ class ShallowExitDrafter(Drafter):
                 self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
             )
 
+    def continue_from(self, state: DecodingState, cached_length: int) -> None:
+        # The adapter reads the shallow states of the whole text, and no verification computed
+        # the cached tokens' here: the shallow layers run over them once, into a scratch cache
+        # (the shared one already holds their KV).
+        if cached_length:
+            scratch = DraftAwareCache(self.model.config)
+            with self.skipper.drafting(scratch):
+                self.model.get_decoder()(
+                    input_ids=state.sequence[:, :cached_length], position_ids=state.positions[:, :cached_length],
+                    past_key_values=scratch, use_cache=True,
+                )
+            self.backlog, self.committed_length = [self.shallow], cached_length
+
     def keep_alternative(self, source_row: int, target_row: int) -> None:
         verification = self.backlog[-1].clone()
         verification[:, target_row] = verification[:, source_row]
@@ -350,6 +367,9 @@ class PromptLookupDrafter(Drafter):
     def propose(self, state, max_tokens, exit_policy, selector):
         draft = self.propose_free(state, max_tokens)
         return draft if draft.tokens else self.fallback.propose(state, max_tokens, exit_policy, selector)
+
+    def continue_from(self, state: DecodingState, cached_length: int) -> None:
+        self.fallback.continue_from(state, cached_length)
 
     def rollback(self, committed_kv_length: int) -> None:
         self.fallback.rollback(committed_kv_length)

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache, GenerationMixin, SynthIDTextWatermarkingConfig
+from transformers import GenerationMixin, SynthIDTextWatermarkingConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import anchor_profile_files
-from .cache import DraftAwareCache
+from .cache import rollback_view, why_not_rollback_capable
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
@@ -69,9 +69,6 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
         return "run beam search (num_beams > 1)"
     if setting("cache_implementation") not in (None, "dynamic"):
         return f"use a {setting('cache_implementation')!r} cache: a strategy needs a dynamic cache it can roll back"
-    past = kwargs.get("past_key_values")
-    if past is not None and (type(past) is not DynamicCache or past.get_seq_length() > 0):
-        return "continue from a given past_key_values: a strategy builds its own rollback-capable cache"
     if setting("use_cache", True) is False:
         return "decode with use_cache=False"
     if setting("output_attentions", False) or setting("output_hidden_states", False):
@@ -90,6 +87,23 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     )
     if batch > 1:
         return f"decode a batch of {batch} sequences: strategies decode one sequence per call"
+    past = kwargs.get("past_key_values")
+    if past is not None:
+        return why_not_rollback_capable(past) or _why_not_continued(past, inputs)
+    return None
+
+
+def _why_not_continued(past, inputs) -> str | None:
+    """A given cache must hold KV for a part of the prompt only: the prompt's first tokens, as a
+    chat's previous turn leaves it. (Given a cache that holds all of it, plain decoding feeds the
+    whole prompt again after it.)"""
+    prompt_length = inputs.shape[-1] if isinstance(inputs, torch.Tensor) else None
+    cached = past.get_seq_length()
+    if prompt_length is not None and cached >= prompt_length:
+        return (
+            f"continue from a past_key_values holding {cached} tokens with a prompt of {prompt_length}: "
+            "pass the whole text, of which the cache holds the first tokens"
+        )
     return None
 
 
@@ -221,34 +235,36 @@ class SelfSpecMixin(GenerationMixin):
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
-        cache = DraftAwareCache(self.config)
-        parts = plan.strategy.build(self, plan.params, cache, plan.assistant_model)
+        # The cache plain decoding would fill: the caller's past_key_values, or the one transformers made
+        past_key_values = model_kwargs["past_key_values"]
         keep_scores = generation_config.return_dict_in_generate and (
             generation_config.output_scores or generation_config.output_logits
         )
-        try:
-            result = speculative_decode(
-                self,
-                cache,
-                parts,
-                input_ids,
-                TokenSelector(logits_processor, generation_config.do_sample),
-                stopping_criteria,
-                max_length=generation_config.max_length,
-                max_draft_tokens=plan.params.max_draft_tokens,
-                stats=StrategyStats(strategy=plan.strategy.name),
-                streamer=streamer,
-                keep_scores=keep_scores,
-            )
-        finally:
-            parts.drafter.close()
+        with rollback_view(past_key_values) as cache:
+            parts = plan.strategy.build(self, plan.params, cache, plan.assistant_model)
+            try:
+                result = speculative_decode(
+                    self,
+                    cache,
+                    parts,
+                    input_ids,
+                    TokenSelector(logits_processor, generation_config.do_sample),
+                    stopping_criteria,
+                    max_length=generation_config.max_length,
+                    max_draft_tokens=plan.params.max_draft_tokens,
+                    stats=StrategyStats(strategy=plan.strategy.name),
+                    streamer=streamer,
+                    keep_scores=keep_scores,
+                )
+            finally:
+                parts.drafter.close()
         if not generation_config.return_dict_in_generate:
             return result.sequences
         return SelfSpecGenerateOutput(
             sequences=result.sequences,
             scores=result.scores if generation_config.output_scores else None,
             logits=result.logits if generation_config.output_logits else None,
-            past_key_values=cache,
+            past_key_values=past_key_values,
             strategy_stats=result.stats,
         )
 

@@ -2,7 +2,7 @@
 often the draft agrees with the full model on its own greedy continuations of HumanEval 20-39
 (never trained or tuned on), bfloat16.
 
-    OMP_NUM_THREADS=1 .venv/bin/python studies/measure_kangaroo.py [--prompts N] ADAPTER.safetensors [...]
+    OMP_NUM_THREADS=1 .venv/bin/python studies/measure_kangaroo.py [--prompts N] [--device cuda] ADAPTER.safetensors [...]
 
 Cost: one-token forwards of the full model and one-token draft steps (shallow layers, adapter,
 head restricted to 8,192 ids plus the prompt's), interleaved, at the end of a prompt's prefill;
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 from transformers import LogitsProcessorList
@@ -26,6 +25,7 @@ from hf_selfspec.adapter import load_adapter
 from hf_selfspec.cache import DraftAwareCache
 from hf_selfspec.drafters import DecodingState, RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.layer_skip import decoder_layers
+from hf_selfspec.measure import timed
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.prompts import encode_prompt, load_prompts
 from hf_selfspec.selection import TokenSelector
@@ -43,24 +43,27 @@ def draft_cost(model, adapters, input_ids) -> dict[str, float]:
     times: dict[str, list[float]] = {"full": [], **{a: [] for a in adapters}}
     length = input_ids.shape[1]
     sequence = torch.cat([input_ids, input_ids.new_zeros((1, 16))], dim=1)
-    positions = torch.arange(sequence.shape[1])[None]
+    positions = torch.arange(sequence.shape[1], device=sequence.device)[None]
     cache = DraftAwareCache(model.config)
     drafters = {a: ShallowExitDrafter(model, cache, load_adapter(model, a), DRAFT_VOCAB) for a in adapters}
     model(input_ids=input_ids[:, :-1], position_ids=positions[:, : length - 1], past_key_values=cache, use_cache=True)
     selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
     try:
         for repeat in range(REPEATS + 1):
-            started = time.perf_counter()
-            model(input_ids=sequence[:, length - 1 : length], position_ids=positions[:, length - 1 : length],
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
-            times["full"].append(time.perf_counter() - started)
+            _, seconds = timed(lambda: model(
+                input_ids=sequence[:, length - 1 : length], position_ids=positions[:, length - 1 : length],
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ), model.device)
+            times["full"].append(seconds)
             cache.rollback(length - 1)
             for a, drafter in drafters.items():
                 drafter.rollback(length - 1)
-                started = time.perf_counter()
-                drafter.propose(DecodingState(sequence, positions, length), 1, never_exit, selector)
+                _, seconds = timed(
+                    lambda: drafter.propose(DecodingState(sequence, positions, length), 1, never_exit, selector),
+                    model.device,
+                )
                 if repeat:
-                    times[a].append(time.perf_counter() - started)
+                    times[a].append(seconds)
                 cache.rollback(length - 1)
     finally:
         for drafter in reversed(list(drafters.values())):  # undo their layer patches in reverse
@@ -90,7 +93,7 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
         total += len(targets)
         for a, adapter in loaded.items():
             head = RestrictedDraftHead(model, DRAFT_VOCAB, inputs["input_ids"])
-            hidden = adapter(shallow[a], torch.arange(out.shape[1])[None])[0, prompt_length - 1 : -1]
+            hidden = adapter(shallow[a], torch.arange(out.shape[1], device=out.device)[None])[0, prompt_length - 1 : -1]
             scores = torch.stack([head(h[None])[0] for h in hidden]).float().softmax(-1)
             confidence, guess = scores.max(-1)
             for t in THRESHOLDS:
@@ -100,9 +103,12 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
     return {a: [(hits[a][t][0] / total, hits[a][t][1] / max(hits[a][t][0], 1)) for t in THRESHOLDS] for a in adapters}
 
 
-def main(adapters: list[str], n_prompts: int) -> None:
-    model, tokenizer = load_embedded(dtype=torch.bfloat16, generation_config=None)
-    encoded = [encode_prompt(tokenizer, p) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
+def main(adapters: list[str], n_prompts: int, device: str) -> None:
+    model, tokenizer = load_embedded(dtype=torch.bfloat16, device=device, generation_config=None)
+    encoded = [
+        {name: tensor.to(model.device) for name, tensor in encode_prompt(tokenizer, p).items()}
+        for p in load_prompts("humaneval", n=n_prompts, offset=20)
+    ]
     costs = draft_cost(model, adapters, encoded[0]["input_ids"])
     print(f"full one-token step: {1000 * costs['full']:.1f} ms (median of {REPEATS})")
     for a in adapters:
@@ -115,7 +121,8 @@ def main(adapters: list[str], n_prompts: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts from 20 on (at most 20)")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     parser.add_argument("adapters", nargs="+")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    main(args.adapters, min(args.prompts, 20))
+    main(args.adapters, min(args.prompts, 20), args.device)

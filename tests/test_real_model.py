@@ -97,3 +97,39 @@ def test_shipped_profile_is_applied_by_default_and_consistent(smollm2):
 def test_auto_dtype_is_the_published_bfloat16_where_the_cpu_has_it():
     model, _ = hf_selfspec.load_embedded(generation_config=None)
     assert model.dtype == (torch.bfloat16 if has_native_bfloat16("cpu") else torch.float32)
+
+
+CHAT = [
+    "Write a Python function that returns the largest of three numbers.",
+    "Now make it work for any number of arguments.",
+]
+
+
+@pytest.mark.parametrize("case", ["kangaroo_alternatives", "lookup_corpus_shipped"])
+def test_a_chat_continued_from_its_cache_stays_lossless(smollm2, case):
+    """Each turn's prompt is the whole chat so far, and the cache holds the earlier turns: the
+    decode continues from it (the adapter's shallow states of the cached turns included) and
+    gives plain greedy's tokens for that prompt."""
+    from transformers import AutoTokenizer, DynamicCache
+
+    from hf_selfspec.embedded import converted_model_dir
+
+    model, _ = smollm2
+    tokenizer = AutoTokenizer.from_pretrained(converted_model_dir())
+    cache, messages, text = DynamicCache(config=model.config), [], None
+    for turn, question in enumerate(CHAT):
+        messages.append({"role": "user", "content": question})
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+        if text is not None:  # the template renders the earlier turns as they were decoded
+            assert inputs["input_ids"][0, : text.shape[1]].tolist() == text[0].tolist()
+        plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain",
+                               return_dict_in_generate=True, output_logits=True)
+        output = model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                return_dict_in_generate=True, **STRATEGY_KWARGS[case])
+        assert_consistent(output, plain, inputs, model.dtype, f"turn {turn}")
+        assert cache.get_seq_length() == output.sequences.shape[1] - 1
+        assert output.strategy_stats.drafted_tokens > 0
+        text = output.sequences
+        reply = tokenizer.decode(text[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
