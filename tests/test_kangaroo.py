@@ -13,7 +13,7 @@ import hf_selfspec
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, adapter_files, read_adapter, save_adapter
 from hf_selfspec.profiles import TunedProfile, device_profile_key, write_profile
 from test_lossless import _assert_same_greedy, _prompts
-from test_sampling import VOCAB, _exact_joint, _goodness_of_fit, _sample_counts
+from test_sampling import _exact_joint, _goodness_of_fit, _sample_counts, sampling_model
 from tiny_models import ARCHITECTURES, NUM_LAYERS, tiny_model
 
 KNOBS = [
@@ -82,7 +82,7 @@ def test_the_adapter_draft_composes_with_lookup_gate_and_backoff(architecture, c
 
 
 def test_sampling_keeps_the_distribution(tmp_path):
-    model = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.5, seed=11)
+    model = sampling_model()
     adapter = _random_adapter(model, 1, tmp_path)
     counts = _sample_counts(model, seed=2024, strategy="kangaroo", draft_adapter=adapter, draft_exit_threshold=0.0)
     assert _goodness_of_fit(counts, _exact_joint(model)) > 1e-3

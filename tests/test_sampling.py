@@ -1,8 +1,10 @@
 """Speculative sampling leaves the output distribution exactly that of plain sampling.
 
-The exact joint distribution of the first three new tokens is computed from the full model's
+The exact joint distribution of the first four new tokens is computed from the full model's
 own forward passes, so the test compares samples with the truth, not with another sample.
-Seeds are fixed, so the verdict is the same on every run: it cannot flake.
+Seeds are fixed, so the verdict is the same on every run: it cannot flake. The verifier alone is
+also held to a target whose rows do not depend on the text, where thousands of verifications of
+three-token drafts take seconds: every depth of a chain is tested with power to spare.
 """
 
 from __future__ import annotations
@@ -14,11 +16,20 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from transformers import LogitsProcessorList
+
+from hf_selfspec.drafters import DecodingState, Draft
 from hf_selfspec.layer_skip import LayerSkipper
+from hf_selfspec.selection import TokenSelector
+from hf_selfspec.verifier import verify
 from tiny_models import tiny_model
 
 VOCAB = 6
-NEW_TOKENS = 3
+# Four tokens, so that drafts of two tokens are verified (the draft is capped by the room left),
+# and weights flat enough that the first token is not a foregone conclusion: the joint spreads
+# over many cells, and a sampler that is off anywhere in it is caught.
+NEW_TOKENS = 4
+INITIALIZER_RANGE = 0.1
 SAMPLES = 1500
 TEMPERATURE = 0.8
 TOP_K = 5
@@ -37,7 +48,7 @@ def _warped_probabilities(logits: torch.Tensor, eos_token_id: int) -> torch.Tens
 
 @torch.no_grad()
 def _exact_joint(model) -> np.ndarray:
-    """P(t1, t2, t3 | prompt) over all VOCAB**3 continuations, in itertools.product order."""
+    """P(new tokens | prompt) over all VOCAB**NEW_TOKENS continuations, in itertools.product order."""
     continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS)))
     sequences = torch.cat([PROMPT.expand(len(continuations), -1), continuations], dim=1)
     probabilities = _warped_probabilities(model(sequences, use_cache=False).logits, model.config.eos_token_id)
@@ -65,6 +76,8 @@ def _goodness_of_fit(counts: np.ndarray, probabilities: np.ndarray) -> float:
     """Chi-square p-value, pooling cells expected to hold fewer than 5 samples into one."""
     expected = probabilities / probabilities.sum() * counts.sum()
     small = expected < 5
+    if not small.any():
+        return float(chisquare(counts, expected).pvalue)
     observed = np.append(counts[~small], counts[small].sum())
     expected = np.append(expected[~small], expected[small].sum())
     return float(chisquare(observed, expected).pvalue)
@@ -72,7 +85,11 @@ def _goodness_of_fit(counts: np.ndarray, probabilities: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama", vocab_size=VOCAB, initializer_range=0.5, seed=11)
+    return sampling_model()
+
+
+def sampling_model(seed: int = 11):
+    return tiny_model("llama", vocab_size=VOCAB, initializer_range=INITIALIZER_RANGE, seed=seed)
 
 
 CASES = {
@@ -103,7 +120,7 @@ def test_first_tokens_follow_the_plain_sampling_distribution(model, case):
 def test_bfloat16_sampling_follows_the_plain_sampling_distribution(case):
     """In bfloat16 the verifier's probabilities round differently from plain steps' by an ulp or
     so, far below what 1500 samples resolve; a sampler that skipped verification would not be."""
-    bfloat16_model = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.5, seed=11).to(torch.bfloat16)
+    bfloat16_model = sampling_model().to(torch.bfloat16)
     counts = _sample_counts(bfloat16_model, seed=2024, **CASES[case])
     assert _goodness_of_fit(counts, _exact_joint(bfloat16_model)) > 1e-3
 
@@ -115,13 +132,13 @@ def test_alternatives_are_accepted_while_sampling(model):
         model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True,
                        temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0, return_dict_in_generate=True,
                        **CASES["alternatives"]).strategy_stats.accepted_alternatives
-        for _ in range(100)
+        for _ in range(400)
     )
     assert rescued > 10
 
 
 def test_gate_over_an_assistant_keeps_the_distribution(model):
-    assistant = tiny_model("llama", vocab_size=VOCAB, initializer_range=0.5, seed=12)
+    assistant = sampling_model(seed=12)
     counts = _sample_counts(model, seed=7, strategy="target_confidence_gated", assistant_model=assistant,
                             target_confidence_threshold=0.0, draft_exit_threshold=0.0)
     assert _goodness_of_fit(counts, _exact_joint(model)) > 1e-3
@@ -140,3 +157,52 @@ def test_the_test_can_tell_the_draft_from_the_target(model):
     finally:
         skipper.close()
     assert _goodness_of_fit(counts, draft_joint) < 1e-6
+
+
+
+# A target whose rows do not depend on the text (row i is the distribution of output position
+# i, whatever came before), and a draft with its own, different distribution at each depth.
+_ROWS = torch.Generator().manual_seed(3)
+TARGET_ROWS = torch.softmax(2 * torch.randn(4, VOCAB, generator=_ROWS), dim=-1)
+DRAFT_ROWS = torch.softmax(2 * torch.randn(3, VOCAB, generator=_ROWS), dim=-1)
+TRIALS = 6000
+
+
+def _verified_position_counts(alternatives: int, draft_rows: torch.Tensor = DRAFT_ROWS) -> np.ndarray:
+    """`[position, token]` counts of what single verifications commit, over `TRIALS` drafts of
+    three tokens drawn from `DRAFT_ROWS` (their likeliest other tokens as alternatives), the
+    verifier told they were drawn from `draft_rows`. No model runs, so thousands of trials take
+    seconds and resolve a wrong distribution at any depth of the chain."""
+    selector = TokenSelector(LogitsProcessorList(), do_sample=True)
+    state = DecodingState(torch.zeros((1, 16), dtype=torch.long), torch.arange(16)[None], 4)
+    torch.manual_seed(1)
+    counts = np.zeros((len(TARGET_ROWS), VOCAB))
+    for _ in range(TRIALS):
+        tokens = [int(torch.multinomial(row, 1)) for row in DRAFT_ROWS]
+        runner_ups = [
+            [t for t in row.argsort(descending=True).tolist() if t != token][:alternatives]
+            for row, token in zip(DRAFT_ROWS, tokens)
+        ]
+        draft = Draft(tokens, list(draft_rows), runner_ups if alternatives else [])
+        # The chain's rows and the verifier's next, then each alternative's: the row after it.
+        rows = [*TARGET_ROWS, *(TARGET_ROWS[depth + 1] for depth, branch in enumerate(draft.alternatives) for _ in branch)]
+        for position, token in enumerate(verify(selector, state, draft, torch.stack(rows).log()).tokens):
+            counts[position, token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("alternatives", [0, 2])
+def test_every_position_a_verification_commits_follows_the_target_there(alternatives):
+    counts = _verified_position_counts(alternatives)
+    assert counts[-1].sum() > 200  # whole chains are accepted too, so every depth is tested
+    for position, row in enumerate(TARGET_ROWS):
+        assert _goodness_of_fit(counts[position], row.double().numpy()) > 1e-3, position
+
+
+def test_the_position_test_sees_a_wrong_draft_distribution_below_the_first_token():
+    """Told the first depth's draft distribution at every depth (the chain's later tokens were
+    drawn from others), the verifier commits the wrong distribution from the second position on;
+    the test above must see it, while a check of the first position alone cannot."""
+    counts = _verified_position_counts(0, draft_rows=DRAFT_ROWS[[0, 0, 0]])
+    assert _goodness_of_fit(counts[0], TARGET_ROWS[0].double().numpy()) > 1e-3
+    assert min(_goodness_of_fit(counts[p], TARGET_ROWS[p].double().numpy()) for p in (1, 2, 3)) < 1e-6
