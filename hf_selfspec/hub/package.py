@@ -154,15 +154,12 @@ def bundled_profiles_for_repository(folder: str | Path, repo_id: str) -> str:
 
 
 def _requirements() -> str:
-    """Lower bounds on what the packaged core imports, as hf-selfspec itself declares them."""
+    """What the packaged core imports, with the versions hf-selfspec itself declares: the upper
+    bounds too, as the copied core takes over transformers' internals just as installed."""
     from packaging.requirements import Requirement
 
     declared = {Requirement(line).name: Requirement(line) for line in metadata.requires("hf-selfspec") or []}
-    lines = []
-    for name in RUNTIME_DEPENDENCIES:
-        minimum = next((s.version for s in declared[name].specifier if s.operator == ">="), None)
-        lines.append(f"{name}>={minimum}" if minimum else name)
-    return "\n".join(lines) + "\n"
+    return "".join(f"{name}{declared[name].specifier}\n" for name in RUNTIME_DEPENDENCIES)
 
 
 def _card_section(profiles: dict[str, TunedProfile]) -> str:
