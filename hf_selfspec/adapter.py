@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from .cache import cache_keyword
 from .layer_skip import decoder_layers
 from .masks import additive_mask
 from .params import PATH_KEYS
@@ -135,7 +136,7 @@ class DraftAdapter(nn.Module):
             hidden,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **cache_keyword(cache),
             use_cache=cache is not None,
             position_embeddings=position_embeddings,
         )

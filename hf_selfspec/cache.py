@@ -11,9 +11,13 @@ A verification that accepts one of the draft's alternatives (`alternatives.py`) 
 past the chain; it moves to the place of the draft token it replaced before the rollback. A
 sliding-window layer holds only the newest keys, so entries are found by counting from the end.
 
-`generate` hands the loop a cache, the caller's own `past_key_values` or one transformers made; the
-loop works in that cache's layer objects (`rollback_view`), so the caller gets them back holding
-the decoded text's KV, as plain decoding leaves them, and a chat can continue from them.
+`generate` hands the loop a cache, the caller's own or one transformers made; the loop works in
+that cache's layer objects (`rollback_view`), so the caller gets them back holding the decoded
+text's KV, as plain decoding leaves them, and a chat can continue from them.
+
+transformers 5.24 renamed the cache `past_key_values` to `cache`: in `generate`'s arguments, in what
+it hands `_sample`, in its outputs and in every forward. We support 5.23 and 5.24, so whatever
+names the cache asks `CACHE_ARGUMENT` here rather than spelling either name.
 """
 
 from __future__ import annotations
@@ -22,7 +26,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+# The installed transformers' name for the cache, read from its output type.
+CACHE_ARGUMENT = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+def cache_keyword(cache: Cache | None) -> dict[str, Cache | None]:
+    """`cache` as the keyword a model's forward takes it by."""
+    return {CACHE_ARGUMENT: cache}
+
+
+def cache_given_to(generate_kwargs: dict) -> Cache | None:
+    """The cache a `generate` call was given. 5.24 still takes the old name, and maps it to the new
+    after we have read the call."""
+    return generate_kwargs.get(CACHE_ARGUMENT, generate_kwargs.get("past_key_values"))
 
 # The layer kinds whose rollback and entry moves this module knows (quantised, offloaded and
 # linear-attention layers keep their state elsewhere).

@@ -16,7 +16,7 @@ import torch
 from transformers import StoppingCriteriaList
 
 from .alternatives import verification_inputs
-from .cache import DraftAwareCache
+from .cache import DraftAwareCache, cache_keyword
 from .drafters import DecodingState, Draft, Drafter
 from .policies import Backoff, ExitPolicy, Gate
 from .selection import TokenSelector
@@ -99,7 +99,7 @@ def speculative_decode(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **cache_keyword(cache),
             use_cache=True,
             logits_to_keep=input_ids.shape[1] - first_row,
         ).logits[0]

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .adapter import DraftAdapter
-from .cache import DraftAwareCache
+from .cache import DraftAwareCache, cache_keyword
 from .layer_skip import LayerSkipper, decoder_layers
 from .lookup_corpus import LookupCorpus
 from .policies import ExitPolicy
@@ -77,7 +77,7 @@ def _model_next_logits(model: nn.Module, cache: DraftAwareCache) -> NextLogits:
         # An assistant model may sit on another device than the text (no copies where it does not).
         return model(
             input_ids=input_ids.to(model.device), position_ids=position_ids.to(model.device),
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
+            **cache_keyword(cache), use_cache=True, logits_to_keep=1,
         ).logits[:, -1].to(input_ids.device)
 
     return next_logits
@@ -175,7 +175,7 @@ class LayerSkipDrafter(Drafter):
 
         def next_logits(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
             hidden = decoder(
-                input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True
+                input_ids=input_ids, position_ids=position_ids, **cache_keyword(self.cache), use_cache=True
             ).last_hidden_state
             return head(hidden[:, -1])
 
@@ -235,7 +235,7 @@ class ShallowExitDrafter(Drafter):
 
     def _next_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         self.model.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True
+            input_ids=input_ids, position_ids=position_ids, **cache_keyword(self.cache), use_cache=True
         )
         hidden = torch.cat([*self.backlog, self.shallow], dim=1)
         # Counted back from the newest position on the device: reading it to the host would wait
@@ -262,7 +262,7 @@ class ShallowExitDrafter(Drafter):
             with self.skipper.drafting(scratch):
                 self.model.get_decoder()(
                     input_ids=state.sequence[:, :cached_length], position_ids=state.positions[:, :cached_length],
-                    past_key_values=scratch, use_cache=True,
+                    **cache_keyword(scratch), use_cache=True,
                 )
             self.backlog, self.committed_length = [self.shallow], cached_length
 

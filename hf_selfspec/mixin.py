@@ -18,7 +18,7 @@ from transformers import GenerationMixin, SynthIDTextWatermarkingConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import anchor_profile_files
-from .cache import rollback_view, why_not_rollback_capable
+from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollback_capable
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
@@ -87,7 +87,7 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     )
     if batch > 1:
         return f"decode a batch of {batch} sequences: strategies decode one sequence per call"
-    past = kwargs.get("past_key_values")
+    past = cache_given_to(kwargs)
     if past is not None:
         return why_not_rollback_capable(past) or _why_not_continued(past, inputs)
     return None
@@ -101,7 +101,7 @@ def _why_not_continued(past, inputs) -> str | None:
     cached = past.get_seq_length()
     if prompt_length is not None and cached >= prompt_length:
         return (
-            f"continue from a past_key_values holding {cached} tokens with a prompt of {prompt_length}: "
+            f"continue from a {CACHE_ARGUMENT} holding {cached} tokens with a prompt of {prompt_length}: "
             "pass the whole text, of which the cache holds the first tokens"
         )
     return None
@@ -235,12 +235,12 @@ class SelfSpecMixin(GenerationMixin):
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
-        # The cache plain decoding would fill: the caller's past_key_values, or the one transformers made
-        past_key_values = model_kwargs["past_key_values"]
+        # The cache plain decoding would fill: the caller's, or the one transformers made
+        filled_cache = model_kwargs[CACHE_ARGUMENT]
         keep_scores = generation_config.return_dict_in_generate and (
             generation_config.output_scores or generation_config.output_logits
         )
-        with rollback_view(past_key_values) as cache:
+        with rollback_view(filled_cache) as cache:
             parts = plan.strategy.build(self, plan.params, cache, plan.assistant_model)
             try:
                 result = speculative_decode(
@@ -264,7 +264,7 @@ class SelfSpecMixin(GenerationMixin):
             sequences=result.sequences,
             scores=result.scores if generation_config.output_scores else None,
             logits=result.logits if generation_config.output_logits else None,
-            past_key_values=past_key_values,
+            **{CACHE_ARGUMENT: filled_cache},
             strategy_stats=result.stats,
         )
 

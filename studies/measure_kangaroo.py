@@ -22,7 +22,7 @@ from transformers import LogitsProcessorList
 
 from hf_selfspec import load_embedded
 from hf_selfspec.adapter import load_adapter
-from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import DecodingState, RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.layer_skip import decoder_layers
 from hf_selfspec.measure import timed
@@ -46,13 +46,13 @@ def draft_cost(model, adapters, input_ids) -> dict[str, float]:
     positions = torch.arange(sequence.shape[1], device=sequence.device)[None]
     cache = DraftAwareCache(model.config)
     drafters = {a: ShallowExitDrafter(model, cache, load_adapter(model, a), DRAFT_VOCAB) for a in adapters}
-    model(input_ids=input_ids[:, :-1], position_ids=positions[:, : length - 1], past_key_values=cache, use_cache=True)
+    model(input_ids=input_ids[:, :-1], position_ids=positions[:, : length - 1], **cache_keyword(cache), use_cache=True)
     selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
     try:
         for repeat in range(REPEATS + 1):
             _, seconds = timed(lambda: model(
                 input_ids=sequence[:, length - 1 : length], position_ids=positions[:, length - 1 : length],
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                **cache_keyword(cache), use_cache=True, logits_to_keep=1,
             ), model.device)
             times["full"].append(seconds)
             cache.rollback(length - 1)

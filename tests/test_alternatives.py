@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_selfspec.alternatives import verification_inputs
-from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from test_kangaroo import _random_adapter
 from test_lossless import _assert_same_greedy, _prompts
 from tiny_models import NUM_LAYERS, SLIDING_WINDOW, tiny_model
@@ -52,7 +52,7 @@ def test_a_sliding_layer_sees_its_window_of_the_keys_its_cache_holds():
     cache = DraftAwareCache(model.config)
     text = 20
     with torch.no_grad():
-        model(torch.arange(3, 3 + text)[None], past_key_values=cache, use_cache=True)
+        model(torch.arange(3, 3 + text)[None], **cache_keyword(cache), use_cache=True)
     sequence, positions = torch.arange(3, 3 + text + 4)[None], torch.arange(text + 4)[None]
     # Every token cached but the newest, committed at 20; 3 drafted at 20-22, an alternative to 21.
     masks = verification_inputs(sequence, positions, text, text + 1, 3, [[], [70], []], model, cache)[2]

@@ -1,4 +1,5 @@
-"""A chat that keeps its cache between turns: `generate(whole_text, past_key_values=cache)`.
+"""A chat that keeps its cache between turns: `generate(whole_text, past_key_values=cache)`
+(`cache=cache` from transformers 5.24).
 
 Plain decoding fills the cache it is given (or one it makes) and leaves it holding the KV of
 every token but the newest, so the next turn feeds only the tokens after it. A strategy must do
@@ -13,6 +14,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
+from hf_selfspec.cache import CACHE_ARGUMENT, cache_keyword
 from test_kangaroo import _random_adapter
 from tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
@@ -37,9 +39,9 @@ def _turns(model, caches: dict, first_prompt: torch.Tensor, replies: list[torch.
     for reply in [None, *replies]:
         if reply is not None:
             text = torch.cat([text, reply], dim=1)
-        output = model.generate(text, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+        output = model.generate(text, **cache_keyword(cache), max_new_tokens=NEW_TOKENS, do_sample=False,
                                 return_dict_in_generate=True, **strategy_kwargs)
-        assert output.past_key_values is cache  # filled in place, as plain decoding does
+        assert getattr(output, CACHE_ARGUMENT) is cache  # filled in place, as plain decoding does
         text = output.sequences
         turns.append((text, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers],
                       cache.get_seq_length()))
@@ -84,9 +86,9 @@ def test_the_adapter_reads_the_earlier_turns_too(tmp_path):
     exact = str(save_adapter(DraftAdapter(model, AdapterShape.for_model(model, NUM_LAYERS - 1)), tmp_path / "exact"))
     first = model.generate(torch.arange(3, 15)[None], max_new_tokens=10, do_sample=False, strategy="plain")
     cache = DynamicCache(config=model.config)
-    model(first[:, :-1], past_key_values=cache, use_cache=True)
+    model(first[:, :-1], **cache_keyword(cache), use_cache=True)
     text = torch.cat([first, torch.arange(40, 44)[None]], dim=1)
-    output = model.generate(text, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+    output = model.generate(text, **cache_keyword(cache), max_new_tokens=NEW_TOKENS, do_sample=False,
                             return_dict_in_generate=True, strategy="kangaroo", draft_adapter=exact,
                             max_draft_tokens=4, draft_exit_threshold=0.0, backoff_probe_interval=0)
     expected = model.generate(text, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain")
@@ -95,14 +97,20 @@ def test_the_adapter_reads_the_earlier_turns_too(tmp_path):
     assert output.strategy_stats.acceptance_rate == 1.0
 
 
+# From 5.24 a call may still name the cache `past_key_values`, which transformers maps to `cache`
+# only after our checks have read the call.
+CALL_NAMES = sorted({CACHE_ARGUMENT, "past_key_values"})
+
+
+@pytest.mark.parametrize("call_name", CALL_NAMES)
 @pytest.mark.parametrize("extra", [0, 3])
-def test_a_cache_that_holds_the_whole_prompt_is_refused(extra):
+def test_a_cache_that_holds_the_whole_prompt_is_refused(extra, call_name):
     model = tiny_model("llama")
     prompt = torch.arange(3, 12)[None]
     cache = DynamicCache(config=model.config)
-    model(torch.arange(3, 12 + extra)[None], past_key_values=cache, use_cache=True)
-    with pytest.raises(ValueError, match=f"past_key_values holding {9 + extra} tokens with a prompt of 9"):
-        model.generate(prompt, past_key_values=cache, max_new_tokens=4, strategy="self_speculative")
+    model(torch.arange(3, 12 + extra)[None], **cache_keyword(cache), use_cache=True)
+    with pytest.raises(ValueError, match=f"{CACHE_ARGUMENT} holding {9 + extra} tokens with a prompt of 9"):
+        model.generate(prompt, **{call_name: cache}, max_new_tokens=4, strategy="self_speculative")
 
 
 def test_caches_a_strategy_cannot_roll_back_are_refused():
@@ -110,7 +118,7 @@ def test_caches_a_strategy_cannot_roll_back_are_refused():
     prompt = torch.arange(3, 12)[None]
     static = StaticCache(config=model.config, max_cache_len=64)
     with pytest.raises(ValueError, match="cannot continue from a StaticCache"):
-        model.generate(prompt, past_key_values=static, max_new_tokens=4, strategy="self_speculative")
+        model.generate(prompt, **cache_keyword(static), max_new_tokens=4, strategy="self_speculative")
     offloaded = DynamicCache(config=model.config, offloading=True)
     with pytest.raises(ValueError, match="offloaded"):
-        model.generate(prompt, past_key_values=offloaded, max_new_tokens=4, strategy="self_speculative")
+        model.generate(prompt, **cache_keyword(offloaded), max_new_tokens=4, strategy="self_speculative")

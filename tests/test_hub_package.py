@@ -58,7 +58,7 @@ def test_cli_writes_the_folder_from_the_installed_modules(config_file, tmp_path,
     bundled: dict = {}
     exec((code / "bundled_profiles.py").read_text(), bundled)
     assert bundled["PROFILES"] == {"cpu/float32": PROFILE}
-    assert (code / "requirements.txt").read_text().splitlines() == ["torch>=2.4", "transformers<5.24,>=5.23", "safetensors>=0.4"]
+    assert (code / "requirements.txt").read_text().splitlines() == ["torch>=2.4", "transformers<5.25,>=5.23", "safetensors>=0.4"]
 
     card = (output / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_selfspec
+from hf_selfspec.cache import cache_keyword
 from hf_selfspec.consistency import check_greedy_consistency
 from hf_selfspec.embedded import TUNED_CONFIG
 from hf_selfspec.loading import has_native_bfloat16
@@ -125,7 +126,7 @@ def test_a_chat_continued_from_its_cache_stays_lossless(smollm2, case):
             assert inputs["input_ids"][0, : text.shape[1]].tolist() == text[0].tolist()
         plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain",
                                return_dict_in_generate=True, output_logits=True)
-        output = model.generate(**inputs, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+        output = model.generate(**inputs, **cache_keyword(cache), max_new_tokens=NEW_TOKENS, do_sample=False,
                                 return_dict_in_generate=True, **STRATEGY_KWARGS[case])
         assert_consistent(output, plain, inputs, model.dtype, f"turn {turn}")
         assert cache.get_seq_length() == output.sequences.shape[1] - 1

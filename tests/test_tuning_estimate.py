@@ -9,7 +9,7 @@ from optuna.trial import TrialState
 from transformers import LogitsProcessorList
 from tuning_helpers import write_study_config
 
-from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import DecodingState, LayerSkipDrafter
 from hf_selfspec.layer_skip import LayerSkipper
 from hf_selfspec.params import resolve_params
@@ -249,7 +249,7 @@ def test_draft_pass_predicts_what_a_real_draft_proposes_first(architecture, draf
         length = data.prompt_length + committed
         with torch.no_grad():
             # The cache grows as a decode's does (a windowed one cannot start over).
-            model(input_ids=data.full_text[None, kv_length : length - 1], past_key_values=cache, use_cache=True,
+            model(input_ids=data.full_text[None, kv_length : length - 1], **cache_keyword(cache), use_cache=True,
                   position_ids=torch.arange(kv_length, length - 1)[None])
             kv_length = length - 1
             sequence = torch.zeros((1, length + 1), dtype=torch.long)

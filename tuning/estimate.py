@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from hf_selfspec.adapter import DraftAdapter, load_adapter, read_adapter_shape
-from hf_selfspec.cache import DraftAwareCache
+from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import (
     DecodingState,
     Drafter,
@@ -150,7 +150,7 @@ def _forward(model, input_ids: torch.Tensor, start: int, cache: DraftAwareCache,
     return model(
         input_ids=input_ids,
         position_ids=positions,
-        past_key_values=cache,
+        **cache_keyword(cache),
         use_cache=True,
         logits_to_keep=logits_to_keep,
         **kwargs,
@@ -383,7 +383,7 @@ def _adapter_drafts_past_misses(
                 model.get_decoder()(
                     input_ids=tokens[None],
                     position_ids=positions[None],
-                    past_key_values=data.cache,
+                    **cache_keyword(data.cache),
                     use_cache=True,
                     attention_mask=model_attention_mask(
                         model.config, visible, positions, torch.cat(key_positions), model.dtype
@@ -408,7 +408,7 @@ def _layer_skip_hidden(model, data: TeacherForcedPrompt, params: SelfSpecParams)
     inputs = {
         "input_ids": continuation,
         "position_ids": torch.arange(data.prompt_length, data.kv_length, device=continuation.device)[None],
-        "past_key_values": data.cache,
+        **cache_keyword(data.cache),
         "use_cache": True,
         "attention_mask": _committed_kv_mask(model, data),
     }
