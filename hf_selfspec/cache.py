@@ -43,6 +43,7 @@ def cache_given_to(generate_kwargs: dict) -> Cache | None:
     after we have read the call."""
     return generate_kwargs.get(CACHE_ARGUMENT, generate_kwargs.get("past_key_values"))
 
+
 # The layer kinds whose rollback and entry moves this module knows (quantised, offloaded and
 # linear-attention layers keep their state elsewhere).
 ROLLBACK_CAPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)

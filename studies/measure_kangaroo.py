@@ -105,10 +105,7 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
 
 def main(adapters: list[str], n_prompts: int, device: str) -> None:
     model, tokenizer = load_embedded(dtype=torch.bfloat16, device=device, generation_config=None)
-    encoded = [
-        {name: tensor.to(model.device) for name, tensor in encode_prompt(tokenizer, p).items()}
-        for p in load_prompts("humaneval", n=n_prompts, offset=20)
-    ]
+    encoded = [encode_prompt(tokenizer, p).to(model.device) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
     costs = draft_cost(model, adapters, encoded[0]["input_ids"])
     print(f"full one-token step: {1000 * costs['full']:.1f} ms (median of {REPEATS})")
     for a in adapters:

@@ -159,7 +159,6 @@ def test_the_test_can_tell_the_draft_from_the_target(model):
     assert _goodness_of_fit(counts, draft_joint) < 1e-6
 
 
-
 # A target whose rows do not depend on the text (row i is the distribution of output position
 # i, whatever came before), and a draft with its own, different distribution at each depth.
 _ROWS = torch.Generator().manual_seed(3)
