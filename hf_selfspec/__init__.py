@@ -4,6 +4,11 @@
     model.generate(**inputs, strategy="adaptive_draft_exit", attn_skip_layers=[...], mlp_skip_layers=[...])
 """
 
+from .compatibility import warn_if_transformers_untested
+
+# Before importing the rest: an untested transformers may already fail there.
+warn_if_transformers_untested()
+
 from .embedded import load_embedded
 from .mixin import SelfSpecGenerateOutput, SelfSpecMixin, enable
 from .params import SelfSpecParams, default_skip_layers

@@ -12,6 +12,8 @@ from test_kangaroo import _random_adapter
 from test_lossless import _assert_same_greedy, _prompts
 from tiny_models import NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
+pytestmark = pytest.mark.version_sensitive
+
 FULL_ATTENTION = ["llama", "qwen3"]
 # All layers windowed (Mistral), or full and windowed layers mixed, which take a mask per type.
 SLIDING_WINDOW_ARCHITECTURES = ["mistral", "qwen2", "gemma2", "gemma3"]

@@ -18,6 +18,8 @@ from hf_selfspec.cache import CACHE_ARGUMENT, cache_keyword
 from test_kangaroo import _random_adapter
 from tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
+pytestmark = pytest.mark.version_sensitive
+
 NEW_TOKENS = 3 * SLIDING_WINDOW + 5  # each turn outgrows the window
 SKIP = dict(attn_skip_layers=[1, 3], mlp_skip_layers=[2], max_draft_tokens=5, draft_exit_threshold=0.0)
 DRAFTS = {

@@ -17,6 +17,8 @@ from hf_selfspec.hub import package as packaging
 from hf_selfspec.hub.package import PackageError, core_modules, package
 from hf_selfspec.profiles import PROFILE_KEY
 
+pytestmark = pytest.mark.version_sensitive
+
 CORE = Path(hf_selfspec.__file__).parent
 PROFILE = {
     "strategy": "target_confidence_gated",

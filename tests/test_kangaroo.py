@@ -16,6 +16,8 @@ from test_lossless import _assert_same_greedy, _prompts
 from test_sampling import _exact_joint, _goodness_of_fit, _sample_counts, sampling_model
 from tiny_models import ARCHITECTURES, NUM_LAYERS, tiny_model
 
+pytestmark = pytest.mark.version_sensitive
+
 KNOBS = [
     {"draft_exit_threshold": 0.0},
     {},

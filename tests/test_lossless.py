@@ -11,6 +11,8 @@ import hf_selfspec
 from hf_selfspec.consistency import check_greedy_consistency
 from tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
+pytestmark = pytest.mark.version_sensitive
+
 STRATEGIES = ["self_speculative", "adaptive_draft_exit", "target_confidence_gated"]
 SKIP_SETS = {
     "nothing": ([], []),

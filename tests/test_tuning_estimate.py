@@ -31,6 +31,8 @@ from hf_selfspec.tuning.objective import PreparedPrompt
 from hf_selfspec.tuning.space import decode_params
 from hf_selfspec.tuning.tune import format_summary, run_tune
 
+pytestmark = pytest.mark.version_sensitive
+
 NEW_TOKENS = 24
 
 

@@ -21,6 +21,8 @@ from tiny_models import tiny_transformers_model
 from hf_selfspec.hub.package import package
 from hf_selfspec.profiles import PROFILE_KEY
 
+pytestmark = pytest.mark.version_sensitive
+
 CHECK_SCRIPT = Path(__file__).with_name("zero_install_check.py")
 # The tiny model's profile: always draft, never back off, so every call drafts whatever the timings.
 TINY_PROFILE = {

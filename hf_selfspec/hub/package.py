@@ -16,11 +16,11 @@ import json
 import pprint
 import shutil
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..adapter import check_adapter_copy, copy_adapter, hub_file_address
+from ..compatibility import declared_requirements
 from ..params import PATH_KEYS
 from ..profiles import (
     PROFILE_KEY,
@@ -156,9 +156,7 @@ def bundled_profiles_for_repository(folder: str | Path, repo_id: str) -> str:
 def _requirements() -> str:
     """What the packaged core imports, with the versions hf-selfspec itself declares: the upper
     bounds too, as the copied core takes over transformers' internals just as installed."""
-    from packaging.requirements import Requirement
-
-    declared = {Requirement(line).name: Requirement(line) for line in metadata.requires("hf-selfspec") or []}
+    declared = declared_requirements()
     return "".join(f"{name}{declared[name].specifier}\n" for name in RUNTIME_DEPENDENCIES)
 
 
