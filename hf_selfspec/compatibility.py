@@ -3,9 +3,9 @@
 The strategies take over `generate`'s private `_sample` step and name the cache its own way, so a
 transformers minor release we have not tested can break them (5.24's rename of `past_key_values`
 made every strategy fail). pip keeps an installed hf-selfspec inside its declared range, but a
-`--no-deps` install, a later upgrade of transformers alone, or a source checkout on `sys.path`
-can leave it outside. Then the failure, if one comes, is deep inside generation; this warning
-names its likely cause first.
+`--no-deps` install or a later upgrade of transformers alone (pip only warns of the conflict) can
+leave it outside. Then the failure, if one comes, is deep inside generation; this warning names
+its likely cause first.
 
 It warns rather than refuses: the verifier is the unchanged model, so an untested version that
 runs at all still decodes losslessly, and refusing would block a user who has checked it works.
