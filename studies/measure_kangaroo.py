@@ -4,10 +4,13 @@ often the draft agrees with the full model on its own greedy continuations of Hu
 
     OMP_NUM_THREADS=1 .venv/bin/python studies/measure_kangaroo.py [--prompts N] [--device cuda] ADAPTER.safetensors [...]
 
-Cost: one-token forwards of the full model and one-token draft steps (shallow layers, adapter,
-head restricted to 8,192 ids plus the prompt's), interleaved, at the end of a prompt's prefill;
-medians. Agreement: the draft's argmax at each position of plain greedy's 64 new tokens, fed
-the full model's own shallow states (what a draft's first token sees), split by the draft's
+Cost: one-token forwards of the full model, verifications (forwards of the full model over 2, 4
+and 8 tokens: what a draft of 1, 3 or 7 tokens costs to check) and one-token draft steps
+(shallow layers, adapter, head restricted to 8,192 ids plus the prompt's), interleaved, at the
+end of a prompt's prefill; medians. How cheap a wide verification is depends on the machine,
+and the speedup a draft can give depends on it as much as on the draft's agreement.
+Agreement: the draft's argmax at each position of plain greedy's 64 new tokens, fed the full
+model's own shallow states (what a draft's first token sees), split by the draft's
 confidence: the share of positions at or above each exit threshold and the agreement there.
 """
 
@@ -33,14 +36,16 @@ from hf_selfspec.selection import TokenSelector
 NEW_TOKENS = 64
 DRAFT_VOCAB = 8192
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
+VERIFY_WIDTHS = (2, 4, 8)
 REPEATS = 15
 
 
 @torch.no_grad()
-def draft_cost(model, adapters, input_ids) -> dict[str, float]:
-    """Median seconds of a one-token step, for the full model and each adapter's draft (after a
+def step_costs(model, adapters, input_ids) -> dict[str | int, float]:
+    """Median seconds of a one-token step of the full model ("full"), of its forward over each of
+    `VERIFY_WIDTHS` tokens (keyed by the width) and of each adapter's one-token draft (after a
     first, untimed draft that feeds the adapter the prefill's shallow states)."""
-    times: dict[str, list[float]] = {"full": [], **{a: [] for a in adapters}}
+    times: dict[str | int, list[float]] = {"full": [], **{w: [] for w in VERIFY_WIDTHS}, **{a: [] for a in adapters}}
     length = input_ids.shape[1]
     sequence = torch.cat([input_ids, input_ids.new_zeros((1, 16))], dim=1)
     positions = torch.arange(sequence.shape[1], device=sequence.device)[None]
@@ -54,8 +59,18 @@ def draft_cost(model, adapters, input_ids) -> dict[str, float]:
                 input_ids=sequence[:, length - 1 : length], position_ids=positions[:, length - 1 : length],
                 **cache_keyword(cache), use_cache=True, logits_to_keep=1,
             ), model.device)
-            times["full"].append(seconds)
+            if repeat:  # the first pass of each is a warm-up
+                times["full"].append(seconds)
             cache.rollback(length - 1)
+            for width in VERIFY_WIDTHS:
+                _, seconds = timed(lambda: model(
+                    input_ids=sequence[:, length - 1 : length - 1 + width],
+                    position_ids=positions[:, length - 1 : length - 1 + width],
+                    **cache_keyword(cache), use_cache=True, logits_to_keep=width,
+                ), model.device)
+                if repeat:
+                    times[width].append(seconds)
+                cache.rollback(length - 1)
             for a, drafter in drafters.items():
                 drafter.rollback(length - 1)
                 _, seconds = timed(
@@ -106,8 +121,10 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
 def main(adapters: list[str], n_prompts: int, device: str) -> None:
     model, tokenizer = load_embedded(dtype=torch.bfloat16, device=device, generation_config=None)
     encoded = [encode_prompt(tokenizer, p).to(model.device) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
-    costs = draft_cost(model, adapters, encoded[0]["input_ids"])
+    costs = step_costs(model, adapters, encoded[0]["input_ids"])
     print(f"full one-token step: {1000 * costs['full']:.1f} ms (median of {REPEATS})")
+    for width in VERIFY_WIDTHS:
+        print(f"verification of {width} tokens: {1000 * costs[width]:.1f} ms = {costs[width] / costs['full']:.2f} steps")
     for a in adapters:
         print(f"{a}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / costs['full']:.3f} of a step")
     for a, rows in agreement(model, tokenizer, adapters, encoded).items():
