@@ -36,16 +36,17 @@ from hf_selfspec.selection import TokenSelector
 NEW_TOKENS = 64
 DRAFT_VOCAB = 8192
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.9)
-VERIFY_WIDTHS = (2, 4, 8)
+VERIFY_WIDTHS = (2, 4, 8)  # beside width 1, the plain step every cost is measured in
 REPEATS = 15
 
 
 @torch.no_grad()
 def step_costs(model, adapters, input_ids) -> dict[str | int, float]:
-    """Median seconds of a one-token step of the full model ("full"), of its forward over each of
-    `VERIFY_WIDTHS` tokens (keyed by the width) and of each adapter's one-token draft (after a
-    first, untimed draft that feeds the adapter the prefill's shallow states)."""
-    times: dict[str | int, list[float]] = {"full": [], **{w: [] for w in VERIFY_WIDTHS}, **{a: [] for a in adapters}}
+    """Median seconds of a forward of the full model over 1 and each of `VERIFY_WIDTHS` tokens
+    (keyed by the width) and of each adapter's one-token draft (after a first, untimed draft that
+    feeds the adapter the prefill's shallow states)."""
+    widths = (1, *VERIFY_WIDTHS)
+    times: dict[str | int, list[float]] = {**{w: [] for w in widths}, **{a: [] for a in adapters}}
     length = input_ids.shape[1]
     sequence = torch.cat([input_ids, input_ids.new_zeros((1, 16))], dim=1)
     positions = torch.arange(sequence.shape[1], device=sequence.device)[None]
@@ -55,20 +56,13 @@ def step_costs(model, adapters, input_ids) -> dict[str | int, float]:
     selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
     try:
         for repeat in range(REPEATS + 1):
-            _, seconds = timed(lambda: model(
-                input_ids=sequence[:, length - 1 : length], position_ids=positions[:, length - 1 : length],
-                **cache_keyword(cache), use_cache=True, logits_to_keep=1,
-            ), model.device)
-            if repeat:  # the first pass of each is a warm-up
-                times["full"].append(seconds)
-            cache.rollback(length - 1)
-            for width in VERIFY_WIDTHS:
+            for width in widths:
                 _, seconds = timed(lambda: model(
                     input_ids=sequence[:, length - 1 : length - 1 + width],
                     position_ids=positions[:, length - 1 : length - 1 + width],
                     **cache_keyword(cache), use_cache=True, logits_to_keep=width,
                 ), model.device)
-                if repeat:
+                if repeat:  # the first pass of each is a warm-up
                     times[width].append(seconds)
                 cache.rollback(length - 1)
             for a, drafter in drafters.items():
@@ -122,11 +116,12 @@ def main(adapters: list[str], n_prompts: int, device: str) -> None:
     model, tokenizer = load_embedded(dtype=torch.bfloat16, device=device, generation_config=None)
     encoded = [encode_prompt(tokenizer, p).to(model.device) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
     costs = step_costs(model, adapters, encoded[0]["input_ids"])
-    print(f"full one-token step: {1000 * costs['full']:.1f} ms (median of {REPEATS})")
+    step = costs[1]
+    print(f"full one-token step: {1000 * step:.1f} ms (median of {REPEATS})")
     for width in VERIFY_WIDTHS:
-        print(f"verification of {width} tokens: {1000 * costs[width]:.1f} ms = {costs[width] / costs['full']:.2f} steps")
+        print(f"verification of {width} tokens: {1000 * costs[width]:.1f} ms = {costs[width] / step:.2f} steps")
     for a in adapters:
-        print(f"{a}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / costs['full']:.3f} of a step")
+        print(f"{a}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / step:.3f} of a step")
     for a, rows in agreement(model, tokenizer, adapters, encoded).items():
         cells = ", ".join(f">={t}: share {share:.2f} agree {agree:.3f}" for t, (share, agree) in zip(THRESHOLDS, rows))
         print(f"{a} on plain greedy's tokens for HumanEval 20-{19 + n_prompts}: {cells}", flush=True)
