@@ -19,7 +19,8 @@ from hf_selfspec.loading import load_model_and_tokenizer
 from tuning.config import StudyConfigError
 from tuning import train_adapter
 from tuning.train_adapter import (
-    CorpusConfig, corpus_chunks, humaneval_problems, load_train_config, run_train_adapter, stdlib_function_prompts,
+    CorpusConfig, corpus_chunks, generated_texts, generation_prompts, humaneval_problems, load_train_config,
+    run_train_adapter, split_stdlib_stream, stdlib_function_prompts,
 )
 
 STEPS = 300
@@ -122,7 +123,8 @@ def test_stdlib_function_prompts_are_a_signature_and_a_docstring_asking_for_a_bo
 def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prompt(tiny_llama_dir, tmp_path):
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
     chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
-    texts = torch.load(tmp_path / "generated.pt")
+    prompts = generation_prompts(tokenizer, GENERATING, split_stdlib_stream(tokenizer, GENERATING)[1])
+    texts = generated_texts(model, tokenizer, prompts, GENERATING, tmp_path / "generated.pt", False)  # from the cache
     problems = humaneval_problems(160)
     assert len(texts) == len(problems) + GENERATING.stdlib_prompts + GENERATING.stdlib_functions
     for problem, text in zip(problems, texts):
@@ -151,6 +153,26 @@ def test_generation_resumes_from_the_batches_it_finished(tiny_llama_dir, tmp_pat
     monkeypatch.setattr(model, "generate", lambda **kwargs: calls.append(kwargs["input_ids"].shape[0]) or generate(**kwargs))
     assert torch.equal(corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt"), first)
     assert calls == [2, 2, 2]  # the six prompts left, and nothing already generated
+
+
+def test_generation_batches_prompts_of_like_length_and_returns_them_in_prompt_order(tiny_llama_dir, tmp_path, monkeypatch):
+    """A batch prefills every row at its longest prompt's width, so batches are cut from the
+    prompts sorted by length; the texts still come back in the prompts' own order."""
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    monkeypatch.setattr(train_adapter, "_GENERATION_BATCH", 2)
+    prompts = [[5] * length for length in (9, 2, 7, 3, 11, 2)]
+    widths = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: widths.append(kwargs["attention_mask"].sum(-1).tolist()) or generate(**kwargs))
+    texts = generated_texts(model, tokenizer, prompts, GENERATING, tmp_path / "generated.pt", False)
+    assert widths == [[2, 2], [3, 7], [9, 11]]
+    assert [text[: len(prompt)] for prompt, text in zip(prompts, texts)] == prompts
+    for prompt, text in zip(prompts, texts):
+        alone = generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                               pad_token_id=tokenizer.eos_token_id)[0].tolist()
+        if tokenizer.eos_token_id in alone[len(prompt) :]:
+            alone = alone[: alone.index(tokenizer.eos_token_id, len(prompt))]
+        assert text == alone
 
 
 GENERATING_TOML = """[corpus]
@@ -186,7 +208,9 @@ def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_l
     assert generated.stat().st_mtime_ns == made  # generated once, for both
     written = tmp_path / "out" / "own-text.safetensors"
     assert f"wrote {written} and own-text.json" in capsys.readouterr().out
-    texts = torch.load(generated)
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    prompts = generation_prompts(tokenizer, train.corpus, split_stdlib_stream(tokenizer, train.corpus)[1])
+    texts = generated_texts(model, tokenizer, prompts, train.corpus, generated, False)  # from the cache, in prompt order
     assert load_file(str(written))["token_ids"].tolist() == [t for text in texts for t in [*text, SEPARATOR]]
     about = read_corpus_description(written)
     assert about["texts"] == len(texts) == 8 and "HumanEval prompts 160 on" in about["description"]
