@@ -120,6 +120,15 @@ def test_stdlib_function_prompts_are_a_signature_and_a_docstring_asking_for_a_bo
         assert len(function.body) == 1 and ast.get_docstring(function) is not None  # no body yet
 
 
+def _greedy_continuation(generate, tokenizer, prompt: list[int]) -> list[int]:
+    """The prompt and the model's greedy continuation of it alone, cut before any EOS (as the
+    corpus keeps it)."""
+    ids = generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                   max_new_tokens=GENERATING.generated_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0].tolist()
+    eos = tokenizer.eos_token_id
+    return ids[: ids.index(eos, len(prompt))] if eos in ids[len(prompt) :] else ids
+
+
 def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prompt(tiny_llama_dir, tmp_path):
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
     chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
@@ -128,11 +137,8 @@ def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prom
     problems = humaneval_problems(160)
     assert len(texts) == len(problems) + GENERATING.stdlib_prompts + GENERATING.stdlib_functions
     for problem, text in zip(problems, texts):
-        prompt = tokenizer(problem["prompt"], return_tensors="pt")
-        alone = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0].tolist()
-        if tokenizer.eos_token_id in alone[prompt["input_ids"].shape[1] :]:
-            alone = alone[: alone.index(tokenizer.eos_token_id, prompt["input_ids"].shape[1])]
-        assert text == alone  # the model's continuation, not the canonical solution
+        prompt = tokenizer(problem["prompt"])["input_ids"]
+        assert text == _greedy_continuation(model.generate, tokenizer, prompt)  # not the canonical solution
     stdlib_window = texts[len(problems)]
     assert len(stdlib_window) > GENERATING.prompt_tokens
     for function, text in zip(stdlib_function_prompts(2), texts[-2:]):
@@ -168,11 +174,7 @@ def test_generation_batches_prompts_of_like_length_and_returns_them_in_prompt_or
     assert widths == [[2, 2], [3, 7], [9, 11]]
     assert [text[: len(prompt)] for prompt, text in zip(prompts, texts)] == prompts
     for prompt, text in zip(prompts, texts):
-        alone = generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                               pad_token_id=tokenizer.eos_token_id)[0].tolist()
-        if tokenizer.eos_token_id in alone[len(prompt) :]:
-            alone = alone[: alone.index(tokenizer.eos_token_id, len(prompt))]
-        assert text == alone
+        assert text == _greedy_continuation(generate, tokenizer, prompt)
 
 
 GENERATING_TOML = """[corpus]
