@@ -101,6 +101,10 @@ def test_lookup_copies_the_earliest_occurrence_as_transformers_does():
     assert lookup_continuation(sequence, 2, 2, 4) == [5, 6, 7, 3]
 
 
+# Speculative steps the back-off measures before it first compares the two modes.
+FIRST = ThroughputBackoff._FIRST_SPECULATIVE_STEPS
+
+
 def _run(backoff: ThroughputBackoff, steps: int, speculative_cost: float, speculative_tokens: int) -> list[bool]:
     """Feed `steps` decisions: a plain step commits 1 token per second; a speculative one commits
     `speculative_tokens` in `speculative_cost` seconds."""
@@ -117,36 +121,64 @@ def _run(backoff: ThroughputBackoff, steps: int, speculative_cost: float, specul
 
 def test_backoff_measures_both_modes_then_probes_a_losing_draft_ever_more_rarely():
     backoff = ThroughputBackoff(probe_interval=4)
-    decisions = _run(backoff, 40, speculative_cost=1.8, speculative_tokens=1)  # 1.8 s per token: a loss
-    assert decisions[:2] == [True, False]  # one step of each before comparing
-    probes = [step for step, speculate in enumerate(decisions) if speculate][1:]
+    decisions = _run(backoff, 50, speculative_cost=1.8, speculative_tokens=1)  # 1.8 s per token: a loss
+    assert decisions[: FIRST + 1] == [True] * FIRST + [False]  # speculative steps, then a plain one, then compare
+    probes = [step - FIRST for step, speculate in enumerate(decisions) if speculate][FIRST:]
     # A probe once the draft has been idle for 4 steps (the measuring plain step included), then
     # the wait doubles after each probe that confirms the loss.
-    assert probes == [5, 14, 31]
+    assert probes == [4, 13, 30]
 
 
 def test_backoff_keeps_a_paying_draft_and_still_probes_plain_steps():
     backoff = ThroughputBackoff(probe_interval=4)
     decisions = _run(backoff, 30, speculative_cost=1.8, speculative_tokens=3)  # 0.6 s per token: a win
-    plain_steps = [step for step, speculate in enumerate(decisions) if not speculate]
-    assert plain_steps == [1, 6, 15]  # plain idles 4 steps after measuring, then 8, ...
+    plain_steps = [step - FIRST for step, speculate in enumerate(decisions) if not speculate]
+    assert plain_steps == [0, 5, 14]  # plain idles 4 steps after measuring, then 8, ...
 
 
 def test_backoff_probes_a_close_loser_sooner_and_a_free_winner_on_schedule():
     close = ThroughputBackoff(probe_interval=16)
     # 1.05 s for 1 token: speculating loses by 5%, so a probe costs little and comes every 3 steps
-    decisions = _run(close, 20, speculative_cost=1.05, speculative_tokens=1)
-    probes = [step for step, speculate in enumerate(decisions) if speculate][1:]
-    assert probes[:3] == [4, 8, 12]
+    decisions = _run(close, FIRST + 20, speculative_cost=1.05, speculative_tokens=1)
+    probes = [step - FIRST for step, speculate in enumerate(decisions) if speculate][FIRST:]
+    assert probes[:3] == [3, 7, 11]
     # a winner priced at nothing (a replay's cost model can be) keeps the doubling schedule
     free = ThroughputBackoff(probe_interval=4)
-    plain_steps = [step for step, speculate in enumerate(_run(free, 30, 0.0, 3)) if not speculate]
-    assert plain_steps == [1, 6, 15]
+    plain_steps = [step - FIRST for step, speculate in enumerate(_run(free, FIRST + 30, 0.0, 3)) if not speculate]
+    assert plain_steps == [0, 5, 14]
+
+
+def test_throughput_is_a_plain_mean_until_the_smoothing_has_enough_steps():
+    from hf_selfspec.policies import _Throughput
+
+    throughput = _Throughput()
+    for committed in (1, 4, 1, 4):
+        throughput.add(committed, 1.0, smoothing=0.8)
+    assert throughput.tokens == pytest.approx(2.5) and throughput.seconds == pytest.approx(1.0)
+    throughput.add(9, 1.0, smoothing=0.8)  # from the fifth step on, each new one weighs 1 - 0.8
+    assert throughput.tokens == pytest.approx(0.8 * 2.5 + 0.2 * 9)
+
+
+def test_backoff_judges_a_draft_by_its_first_steps_together_not_by_the_first_alone():
+    # A draft that pays on average (1 and then 4 tokens for 1.8 s each: 0.72 s a token against a
+    # plain step's 1 s) but whose first step is rejected. Judged by that step alone (1.8 s a
+    # token) it would be backed off at once; its first steps are averaged equally instead.
+    backoff = ThroughputBackoff(probe_interval=4)
+    decisions = []
+    for step in range(FIRST + 6):
+        speculate = backoff.should_speculate()
+        decisions.append(speculate)
+        if speculate:
+            backoff.record(2, 1 if step % 2 == 0 else 4, 1.8)
+        else:
+            backoff.record(0, 1, 1.0)
+    assert decisions[: FIRST + 1] == [True] * FIRST + [False]  # measure, then compare
+    assert all(decisions[FIRST + 1 : FIRST + 5]) and not decisions[FIRST + 5]  # speculation won: plain is only probed
 
 
 def test_backoff_returns_to_drafting_when_the_text_starts_repeating():
     backoff = ThroughputBackoff(probe_interval=4)
-    _run(backoff, 20, speculative_cost=1.8, speculative_tokens=1)
+    _run(backoff, FIRST + 12, speculative_cost=1.8, speculative_tokens=1)
     assert not backoff.should_speculate()
     # From now on a draft commits 6 tokens: the next probe finds it, and drafting resumes.
     decisions = _run(backoff, 40, speculative_cost=1.8, speculative_tokens=6)

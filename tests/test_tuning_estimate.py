@@ -13,7 +13,7 @@ from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import DecodingState, LayerSkipDrafter
 from hf_selfspec.layer_skip import LayerSkipper
 from hf_selfspec.params import resolve_params
-from hf_selfspec.policies import ExitPolicy
+from hf_selfspec.policies import ExitPolicy, ThroughputBackoff
 from hf_selfspec.selection import TokenSelector
 from test_kangaroo import _random_adapter
 from tiny_models import NUM_LAYERS, tiny_model
@@ -219,7 +219,9 @@ def test_replay_backs_off_where_its_priced_steps_say_drafting_loses(sharp_llama)
     always_seconds, always = replay(pricey, 0)
     assert always.plain_steps <= 1 and always.accepted_tokens < always.drafted_tokens  # rejections happen
     backoff_seconds, backed_off = replay(pricey, 4)
-    assert backed_off.plain_steps > backed_off.verification_steps
+    # drafting steps: the back-off's first measurement of drafting, then one probe
+    assert backed_off.verification_steps == ThroughputBackoff._FIRST_SPECULATIVE_STEPS + 1
+    assert backed_off.plain_steps > always.plain_steps + 1
     assert backoff_seconds < always_seconds
     _, kept = replay(free_draft, 4)
     # plain steps: the one measuring step, two probes (after 4 and 8 drafting steps), and the last
