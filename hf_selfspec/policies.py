@@ -155,13 +155,14 @@ class ThroughputBackoff(Backoff):
     chat prompts the back-off still backs a layer-skip draft off early: its first measured
     steps already lose by half.
 
-    Speculation is measured over its first `_FIRST_SPECULATIVE_STEPS` steps, weighed equally,
-    before the two modes are first compared. One step says little: a draft accepted at 40% per
-    token has its first token rejected more often than not, and judged by that step alone a draft
-    that pays was backed off at the start of most texts, to be probed back only slowly. On
-    HumanEval 0-19 (bfloat16, Intel Xeon) the Kangaroo profile with lookup measured 1.47x plain
-    greedy so, 1.66x with four steps and 1.67x with eight; on the chat prompts 0.99x, 0.97x and
-    1.01x (docs/kangaroo.md). A draft that loses at every step pays for eight of them once.
+    Speculation is measured over its first `_FIRST_SPECULATIVE_STEPS` steps (averaged as
+    `_Throughput` says) before the two modes are first compared. One step says little: a draft
+    accepted at 40% per token has its first token rejected more often than not, and judged by
+    that step alone a draft that pays was backed off at the start of most texts, to be probed
+    back only slowly. On HumanEval 0-19 (bfloat16, Intel Xeon) the Kangaroo profile with lookup
+    measured 1.47x plain greedy so, 1.66x with four steps and 1.67x with eight; on the chat
+    prompts 0.99x, 0.97x and 1.01x (docs/kangaroo.md). A draft that loses at every step pays for
+    eight of them once.
     Lossless either way: it only decides whether to propose.
     """
 

@@ -162,7 +162,7 @@ def test_throughput_is_a_plain_mean_until_the_smoothing_has_enough_steps():
 def test_backoff_judges_a_draft_by_its_first_steps_together_not_by_the_first_alone():
     # A draft that pays on average (1 and then 4 tokens for 1.8 s each: 0.72 s a token against a
     # plain step's 1 s) but whose first step is rejected. Judged by that step alone (1.8 s a
-    # token) it would be backed off at once; its first steps are averaged equally instead.
+    # token) it would be backed off at once; its first steps are averaged instead.
     backoff = ThroughputBackoff(probe_interval=4)
     decisions = []
     for step in range(FIRST + 6):
