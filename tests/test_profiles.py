@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +14,15 @@ from hf_selfspec.profiles import (
     TunedProfile,
     device_profile_key,
     parse_profile,
+    profile_files,
     read_profiles,
+    read_profiles_file,
     write_profile,
 )
+from hf_selfspec.strategies import resolve_strategy
 from tiny_models import tiny_model
 
+SHIPPED_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "studies" / "tuned").glob("*/*generation_config.json"))
 PROMPT = torch.tensor([[7, 8, 9, 10, 11]])
 CPU_PROFILE = TunedProfile(
     strategy="adaptive_draft_exit",
@@ -119,3 +124,15 @@ def test_a_profiled_model_serves_plainly_as_transformers_own_early_exit_assistan
                                   output_scores=True, is_assistant=True)
     assert as_assistant.get("strategy_stats") is None
     assert model.generate(PROMPT, max_new_tokens=5, do_sample=False, return_dict_in_generate=True).strategy_stats
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_every_shipped_profile_reads_and_has_its_files_beside_it(path):
+    """The docs pass these files to `--compare-config` and `load_embedded(generation_config=...)`:
+    each must read as a model would read it, name known strategies, and carry the adapters and
+    corpora it names (a file renamed or retired under a profile that still names it fails here)."""
+    profiles = read_profiles_file(path)
+    assert profiles
+    for profile in profiles.values():
+        resolve_strategy(profile.strategy)
+    profile_files(profiles, path.parent)

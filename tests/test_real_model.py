@@ -13,11 +13,25 @@ from hf_selfspec.cache import cache_keyword
 from hf_selfspec.consistency import check_greedy_consistency
 from hf_selfspec.embedded import TUNED_CONFIG
 from hf_selfspec.loading import has_native_bfloat16
+from hf_selfspec.profiles import read_profiles_file
 from hf_selfspec.prompts import encode_prompt, load_prompts
 
 pytestmark = pytest.mark.real_model
 NEW_TOKENS = 48
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+SHIPPED = Path(str(TUNED_CONFIG)).parent
+
+
+def shipped_profile_kwargs(config_name: str, key: str = "cpu/bfloat16") -> dict:
+    """A shipped profile's strategy and knobs as `generate` keywords, its files by full path."""
+    profile = read_profiles_file(SHIPPED / config_name)[key]
+    params = {name: value for name, value in profile.params.items() if value != ""}
+    for name in ("draft_adapter", "lookup_corpus"):
+        if name in params:
+            params[name] = str(SHIPPED / params[name])
+    return {"strategy": profile.strategy, **params}
+
 
 STRATEGY_KWARGS = {
     "self_speculative": {"strategy": "self_speculative"},
@@ -35,6 +49,8 @@ STRATEGY_KWARGS = {
     "kangaroo_alternatives": {"strategy": "kangaroo", "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
                               "draft_alternatives": 2,
                               "draft_adapter": str(Path(str(TUNED_CONFIG)).parent / "kangaroo-exit1.safetensors")},
+    # Kangaroo alone as tuned on a CPU with AMX: six-token drafts, three runner-ups each (25 rows).
+    "kangaroo_alone_profile": shipped_profile_kwargs("kangaroo-alone-generation_config.json"),
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
@@ -77,7 +93,7 @@ def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, case):
         drafted += output.strategy_stats.drafted_tokens
         rescued += output.strategy_stats.accepted_alternatives
     assert drafted > 0
-    assert (rescued > 0) == ("draft_alternatives" in STRATEGY_KWARGS[case])
+    assert (rescued > 0) == bool(STRATEGY_KWARGS[case].get("draft_alternatives"))
 
 
 def test_shipped_profile_is_applied_by_default_and_consistent(smollm2):
