@@ -44,17 +44,17 @@ STRATEGY_KWARGS = {
                          "prompt_lookup_min_ngram": 1, "target_confidence_threshold": 1.0, "max_draft_tokens": 16},
     # The trained adapter that ships beside the tuned profiles (docs/kangaroo.md).
     "kangaroo_shipped_adapter": {"strategy": "kangaroo", "max_draft_tokens": 4, "draft_exit_threshold": 0.3,
-                                 "draft_adapter": str(Path(str(TUNED_CONFIG)).parent / "kangaroo-exit1.safetensors")},
+                                 "draft_adapter": str(SHIPPED / "kangaroo-exit1.safetensors")},
     # Its runner-ups verified beside the chain: branches in the verification's mask.
     "kangaroo_alternatives": {"strategy": "kangaroo", "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
                               "draft_alternatives": 2,
-                              "draft_adapter": str(Path(str(TUNED_CONFIG)).parent / "kangaroo-exit1.safetensors")},
+                              "draft_adapter": str(SHIPPED / "kangaroo-exit1.safetensors")},
     # Kangaroo alone as tuned on a CPU with AMX: six-token drafts, three runner-ups each (25 rows).
     "kangaroo_alone_profile": shipped_profile_kwargs("kangaroo-alone-generation_config.json"),
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
-                              "lookup_corpus": str(Path(str(TUNED_CONFIG)).parent / "own-code.safetensors")},
+                              "lookup_corpus": str(SHIPPED / "own-code.safetensors")},
 }
 
 
