@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from hf_selfspec.embedded import TUNED_CONFIG
 from hf_selfspec.profiles import (
     PROFILE_KEY,
     TunedProfile,
@@ -22,7 +23,8 @@ from hf_selfspec.profiles import (
 from hf_selfspec.strategies import resolve_strategy
 from tiny_models import tiny_model
 
-SHIPPED_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "studies" / "tuned").glob("*/*generation_config.json"))
+# Every generation_config.json that ships, the embedded model's and those beside it to compare with.
+SHIPPED_CONFIGS = sorted(Path(str(TUNED_CONFIG)).parents[1].glob("*/*generation_config.json"))
 PROMPT = torch.tensor([[7, 8, 9, 10, 11]])
 CPU_PROFILE = TunedProfile(
     strategy="adaptive_draft_exit",

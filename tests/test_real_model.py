@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hf_selfspec
+from hf_selfspec.adapter import anchor_profile_files
 from hf_selfspec.cache import cache_keyword
 from hf_selfspec.consistency import check_greedy_consistency
 from hf_selfspec.embedded import TUNED_CONFIG
@@ -20,17 +21,9 @@ pytestmark = pytest.mark.real_model
 NEW_TOKENS = 48
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# Case keywords name shipped files as a profile does, relative to the directory they ship in.
 SHIPPED = Path(str(TUNED_CONFIG)).parent
-
-
-def shipped_profile_kwargs(config_name: str, key: str = "cpu/bfloat16") -> dict:
-    """A shipped profile's strategy and knobs as `generate` keywords, its files by full path."""
-    profile = read_profiles_file(SHIPPED / config_name)[key]
-    params = {name: value for name, value in profile.params.items() if value != ""}
-    for name in ("draft_adapter", "lookup_corpus"):
-        if name in params:
-            params[name] = str(SHIPPED / params[name])
-    return {"strategy": profile.strategy, **params}
+ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-generation_config.json")["cpu/bfloat16"]
 
 
 STRATEGY_KWARGS = {
@@ -44,18 +37,24 @@ STRATEGY_KWARGS = {
                          "prompt_lookup_min_ngram": 1, "target_confidence_threshold": 1.0, "max_draft_tokens": 16},
     # The trained adapter that ships beside the tuned profiles (docs/kangaroo.md).
     "kangaroo_shipped_adapter": {"strategy": "kangaroo", "max_draft_tokens": 4, "draft_exit_threshold": 0.3,
-                                 "draft_adapter": str(SHIPPED / "kangaroo-exit1.safetensors")},
+                                 "draft_adapter": "kangaroo-exit1.safetensors"},
     # Its runner-ups verified beside the chain: branches in the verification's mask.
     "kangaroo_alternatives": {"strategy": "kangaroo", "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
                               "draft_alternatives": 2,
-                              "draft_adapter": str(SHIPPED / "kangaroo-exit1.safetensors")},
+                              "draft_adapter": "kangaroo-exit1.safetensors"},
     # Kangaroo alone as tuned on a CPU with AMX: six-token drafts, three runner-ups each (25 rows).
-    "kangaroo_alone_profile": shipped_profile_kwargs("kangaroo-alone-generation_config.json"),
+    "kangaroo_alone_profile": {"strategy": ALONE_PROFILE.strategy, **ALONE_PROFILE.params},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
-                              "lookup_corpus": str(SHIPPED / "own-code.safetensors")},
+                              "lookup_corpus": "own-code.safetensors"},
 }
+
+
+def case_kwargs(model, case: str) -> dict:
+    """A case's `generate` keywords, its file names resolved beside the shipped profiles the way
+    `generate` resolves a profile's."""
+    return anchor_profile_files(model, STRATEGY_KWARGS[case], SHIPPED)
 
 
 @pytest.fixture(scope="module", params=sorted(DTYPES))
@@ -88,7 +87,7 @@ def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, case):
     drafted = rescued = 0
     for prompt_id, inputs, plain in cases:
         output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
-                                **STRATEGY_KWARGS[case])
+                                **case_kwargs(model, case))
         assert_consistent(output, plain, inputs, model.dtype, prompt_id)
         drafted += output.strategy_stats.drafted_tokens
         rescued += output.strategy_stats.accepted_alternatives
@@ -143,7 +142,7 @@ def test_a_chat_continued_from_its_cache_stays_lossless(smollm2, case):
         plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain",
                                return_dict_in_generate=True, output_logits=True)
         output = model.generate(**inputs, **cache_keyword(cache), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                return_dict_in_generate=True, **STRATEGY_KWARGS[case])
+                                return_dict_in_generate=True, **case_kwargs(model, case))
         assert_consistent(output, plain, inputs, model.dtype, f"turn {turn}")
         assert cache.get_seq_length() == output.sequences.shape[1] - 1
         assert output.strategy_stats.drafted_tokens > 0
