@@ -21,3 +21,4 @@ def _bounded(convert, accept, requirement: str):
 positive_int = _bounded(int, lambda value: value >= 1, "at least 1")
 non_negative_int = _bounded(int, lambda value: value >= 0, "at least 0")
 positive_float = _bounded(float, lambda value: value > 0, "positive")
+probability = _bounded(float, lambda value: 0 < value <= 1, "above 0 and at most 1")

@@ -4,6 +4,7 @@ a shared CI machine say nothing, and a tiny random model is not meant to be fast
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,16 +12,18 @@ import torch
 import hf_selfspec
 from hf_selfspec.bench.benchmark import run_benchmark
 from hf_selfspec.bench.cli import prompt_source
-from hf_selfspec.bench.contenders import BASELINE, Contender, build_contenders
-from hf_selfspec.bench.report import results_document
-from hf_selfspec.bench.runner import Measurements
+from hf_selfspec.bench.contenders import BASELINE, PLAIN, PROMPT_LOOKUP, Contender, build_contenders
+from hf_selfspec.bench.plots import plot_category_speedup
+from hf_selfspec.bench.report import diverged, geomean_over_categories, results_document
+from hf_selfspec.bench.runner import Measurements, measure
+from hf_selfspec.bench.sampling import Sampling
 from hf_selfspec.bench.table import RED, RESET, render
-from hf_selfspec.cli import main
+from hf_selfspec.cli import build_parser, main
 from hf_selfspec.hub.package import package
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.measure import TimedRun, timed
 from hf_selfspec.profiles import PROFILE_KEY
-from hf_selfspec.prompts import Prompt, encode_prompt, load_prompts
+from hf_selfspec.prompts import HELD_OUT_SPLIT, TUNE_SPLIT, WORKLOAD, Prompt, encode_prompt, load_prompts
 from hf_selfspec.strategies import resolve_strategy
 from hf_selfspec.stats import StrategyStats
 
@@ -92,12 +95,16 @@ def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, promp
     assert {"device_name", "dtype", "torch", "transformers", "hf_selfspec"} <= set(machine)
     assert results["command"]["max_new_tokens"] == 8
     assert results["skip_sets"]["tuned_profile"] is None
+    assert results["settings"]["sampling"] is None and results["settings"]["speedup_metric"] == "seconds"
+    assert results["lookup"] == PROMPT_LOOKUP
     assert_valid_png(output / "speedup.png")
+    assert_valid_png(output / "speedup_by_category.png")
     assert_valid_png(output / "acceptance.png")
     table = capsys.readouterr().out
     for name in expected:
         assert name in table
-    assert "median speedup by prompt category" in table
+    assert "median speedup over plain by prompt category" in table
+    assert "x lookup: median ratio to transformers' prompt lookup" in table
     assert RED not in table  # captured output is not a terminal
 
 
@@ -389,7 +396,8 @@ def test_help_describes_every_option(capsys):
     for option in [
         "--model", "--gguf-file", "--config", "--compare-config", "--prompts", "--n-prompts", "--prompt-offset",
         "--max-new-tokens", "--repeats", "--assistant", "--custom-generate", "--contenders", "--device", "--dtype", "--output",
-        "results.json", "speedup.png", "acceptance.png",
+        "--split", "--do-sample", "--temperature", "--top-p", "--seed", "workload", "geometric mean",
+        "results.json", "speedup.png", "speedup_by_category.png", "acceptance.png",
     ]:  # fmt: skip
         assert option in text
 
@@ -452,3 +460,229 @@ def test_timing_waits_for_the_gpu_queue_on_both_sides(monkeypatch):
     events.clear()
     timed(lambda: events.append("run"), torch.device("cpu"))
     assert events == ["run"]
+
+
+def test_geomean_over_categories_by_hand():
+    assert geomean_over_categories({"translation": 2.0, "qa": 0.5}) == pytest.approx(1.0)
+    assert geomean_over_categories({"a": 1.0, "b": 4.0, "c": 2.0}) == pytest.approx(2.0)  # cube root of 8
+    assert geomean_over_categories({"a": 3.0, "b": 12.0}) == pytest.approx(6.0)  # square root of 36
+    assert geomean_over_categories({"code": 1.37}) == pytest.approx(1.37)
+    with pytest.raises(ValueError, match="at least one category"):
+        geomean_over_categories({})
+    with pytest.raises(ValueError, match="category 'qa': a speedup must be a positive number, got 0.0"):
+        geomean_over_categories({"translation": 2.0, "qa": 0.0})
+
+
+def _contender(name, family="hf_selfspec"):
+    return Contender(name, {}, family=family, params_label="-")
+
+
+def _category_measurements(sampling=None):
+    """Three prompts in two categories, two repeats; the second repeat is twice as slow for
+    everybody (drift), which pairing per repeat cancels. Per prompt, in seconds:
+
+    translation (t1, t2): baseline 1 + 1, lookup 0.25 + 0.25, ours 0.5 + 0.5
+    qa (q1):              baseline 1,     lookup 1,           ours 0.25
+    """
+    prompts = [Prompt(id="t1", text="x", category="translation"), Prompt(id="t2", text="y", category="translation"),
+               Prompt(id="q1", text="z", category="qa")]
+    tokens = [1, 2]
+
+    def runs(seconds):
+        return [[_run(tokens, drift * s) for s in seconds] for drift in (1.0, 2.0)]
+
+    return Measurements(
+        prompts=prompts,
+        contenders=[_contender(BASELINE, "baseline"), _contender(PROMPT_LOOKUP, "transformers"), _contender("ours")],
+        runs={BASELINE: runs([1.0, 1.0, 1.0]), PROMPT_LOOKUP: runs([0.25, 0.25, 1.0]), "ours": runs([0.5, 0.5, 0.25])},
+        max_new_tokens=2,
+        repeats=2,
+        references=[_run(tokens, 1.0, logits=_one_hot_logits(tokens)) for _ in prompts],
+        logit_dtype=torch.float32,
+        sampling=sampling,
+    )
+
+
+_MACHINE = {"device_name": "cpu", "device": "cpu", "dtype": "float32"}
+_SKIP_SETS = {"default_params": {"attn_skip_layers": [], "mlp_skip_layers": []}, "tuned_profile": None,
+              "profile_key": "cpu/float32"}
+
+
+def _table_row(table: str, heading: str, name: str) -> list[str]:
+    """The cells of contender `name`'s row in the table under the line starting with `heading`."""
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    row = next(line for line in lines[start:] if line.split() and line.split()[0] == name)
+    return row.split()[1:]
+
+
+def test_per_category_speedups_ratios_to_lookup_and_geomeans():
+    results = results_document(_category_measurements(), machine=_MACHINE, skip_sets=_SKIP_SETS, command={})
+    by_name = {c["name"]: c for c in results["contenders"]}
+    ours, lookup = by_name["ours"], by_name[PROMPT_LOOKUP]
+    translation, qa = (results["categories"][name]["contenders"] for name in ("translation", "qa"))
+    # translation: 2 / 1 = 2x for ours, 2 / 0.5 = 4x for lookup, so ours is 0.5x lookup
+    assert translation["ours"]["speedup"] == {"median": 2.0, "min": 2.0, "max": 2.0, "per_repeat": [2.0, 2.0]}
+    assert translation[PROMPT_LOOKUP]["speedup"]["median"] == 4.0
+    assert translation["ours"]["ratio_to_lookup"]["per_repeat"] == [0.5, 0.5]
+    # qa: 1 / 0.25 = 4x for ours, 1x for lookup
+    assert qa["ours"]["speedup"]["median"] == 4.0 and qa["ours"]["ratio_to_lookup"]["median"] == 4.0
+    assert qa[PROMPT_LOOKUP]["ratio_to_lookup"]["median"] == 1.0
+    # all prompts pooled: 3 / 1.25 = 2.4x, and lookup's 1.5 s / 1.25 s = 1.2x lookup
+    assert ours["speedup"]["median"] == pytest.approx(2.4)
+    assert ours["ratio_to_lookup"]["per_repeat"] == pytest.approx([1.2, 1.2])
+    # geometric means over the two categories, each counted once
+    assert ours["category_geomean_speedup"] == pytest.approx(math.sqrt(2.0 * 4.0))
+    assert ours["category_geomean_ratio_to_lookup"] == pytest.approx(math.sqrt(0.5 * 4.0))
+    assert lookup["category_geomean_speedup"] == pytest.approx(2.0)
+    assert by_name[BASELINE]["category_geomean_speedup"] == pytest.approx(1.0)
+    assert results["lookup"] == PROMPT_LOOKUP
+
+    table = render(results)
+    # main table: ... speedup min max x-lookup ...
+    assert _table_row(table, "contender", "ours")[2:6] == ["2.40x", "2.40x", "2.40x", "1.20x"]
+    speedups = "median speedup over plain by prompt category"
+    assert _table_row(table, speedups, "contender") == ["translation", "(2)", "qa", "(1)", "all", "geomean"]
+    assert _table_row(table, speedups, "ours") == ["2.00x", "4.00x", "2.40x", "2.83x"]
+    assert _table_row(table, speedups, PROMPT_LOOKUP) == ["4.00x", "1.00x", "2.00x", "2.00x"]
+    ratios = "x lookup: median ratio to transformers' prompt lookup"
+    assert _table_row(table, ratios, "ours") == ["0.50x", "4.00x", "1.20x", "1.41x"]
+    ratio_table = table[table.index(ratios):]
+    assert f"\n{PROMPT_LOOKUP} " not in ratio_table and f"\n{BASELINE} " not in ratio_table
+
+
+def test_without_lookup_or_categories_the_report_says_none():
+    measurements = _category_measurements()
+    del measurements.runs[PROMPT_LOOKUP]
+    measurements.contenders = [c for c in measurements.contenders if c.name != PROMPT_LOOKUP]
+    measurements.prompts = [Prompt(id=p.id, text=p.text) for p in measurements.prompts]
+    results = results_document(measurements, machine=_MACHINE, skip_sets=_SKIP_SETS, command={})
+    ours = results["contenders"][1]
+    assert results["lookup"] is None and results["categories"] == {}
+    assert ours["ratio_to_lookup"] is None
+    assert ours["category_geomean_speedup"] is None and ours["category_geomean_ratio_to_lookup"] is None
+    table = render(results)
+    assert "x lookup" not in table and "by prompt category" not in table
+
+
+def test_category_plot_is_written_with_and_without_categories(tmp_path):
+    results = results_document(_category_measurements(), machine=_MACHINE, skip_sets=_SKIP_SETS, command={})
+    plot_category_speedup(results, tmp_path / "by_category.png")
+    assert_valid_png(tmp_path / "by_category.png")
+    results["categories"] = {}
+    plot_category_speedup(results, tmp_path / "pooled_only.png")
+    assert_valid_png(tmp_path / "pooled_only.png")
+
+
+def test_sampled_speedup_is_per_generated_token_pooled_over_the_prompts():
+    """Sampled lengths differ: a contender writing twice the tokens in the same time is 2x."""
+    prompts = [Prompt(id="a", text="x", category="chat"), Prompt(id="b", text="y", category="chat")]
+    measurements = Measurements(
+        prompts=prompts,
+        contenders=[_contender(BASELINE, "baseline"), _contender("ours")],
+        # a: baseline 4 tokens in 1 s, ours 8 in 1 s; b: baseline 4 in 1 s, ours 2 in 0.5 s
+        runs={BASELINE: [[_run([1] * 4, 1.0), _run([1] * 4, 1.0)]], "ours": [[_run([1] * 8, 1.0), _run([1] * 2, 0.5)]]},
+        max_new_tokens=8,
+        repeats=1,
+        references=[],
+        logit_dtype=torch.float32,
+        sampling=Sampling(temperature=0.7, top_p=0.9, seed=4),
+    )
+    results = results_document(measurements, machine=_MACHINE, skip_sets=_SKIP_SETS, command={})
+    ours = results["contenders"][1]
+    # pooled: baseline 2 s / 8 tokens = 0.25, ours 1.5 s / 10 tokens = 0.15, so 5/3; the seconds alone
+    # would say 2 / 1.5 = 4/3 and the mean of per-prompt ratios (2 + 1) / 2 = 1.5
+    assert ours["speedup"]["median"] == pytest.approx(5 / 3)
+    assert results["categories"]["chat"]["contenders"]["ours"]["speedup"]["median"] == pytest.approx(5 / 3)
+    assert results["settings"]["speedup_metric"] == "seconds_per_token"
+    assert results["settings"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 4}
+    assert ours["consistency"]["verdict"] == "sampled" and ours["identical"] is None
+    assert [p["consistency"] for p in ours["per_prompt"]] == ["sampled", "sampled"]
+    assert diverged(results, "hf_selfspec") == []
+    table = render(results)
+    assert "sampling at temperature 0.7, top-p 0.9, seed 4 + repeat" in table.splitlines()[0]
+    assert _table_row(table, "contender", "ours")[-2:] == ["n/a", "(sampled)"]
+    assert "baseline seconds per generated token / contender seconds per generated token" in table
+    assert "not applicable to sampling" in table
+
+
+def test_sampling_gives_every_contender_the_repeats_seed(tiny_model, prompt_file):
+    """A contender decoding exactly as the baseline samples exactly its tokens: the seed is reset
+    before every timed call, to the setting's seed plus the repeat."""
+    model, tokenizer = tiny_model
+    prompts = load_prompts(prompt_file)
+    plain = {"strategy": PLAIN, "do_sample": False}
+    ours = next(c for c in build_contenders(model, ["self_speculative"]) if c.name == "self_speculative")
+    contenders = [Contender(BASELINE, plain, "baseline", "-"), Contender("twin", plain, "transformers", "-"), ours]
+    sampled = measure(model, tokenizer, prompts, contenders, max_new_tokens=8, repeats=2,
+                      sampling=Sampling(temperature=1.0, top_p=0.9, seed=3), progress=False)
+    tokens = {name: [[run.new_tokens for run in repeat] for repeat in runs] for name, runs in sampled.runs.items()}
+    assert tokens["twin"] == tokens[BASELINE]
+    assert tokens[BASELINE][0] != tokens[BASELINE][1]  # a new seed each repeat
+    assert all(len(run) == 8 for repeat in tokens["self_speculative"] for run in repeat)
+    assert sampled.references == []
+    for contender in sampled.contenders:
+        assert contender.generate_kwargs["do_sample"] is True
+        assert (contender.generate_kwargs["temperature"], contender.generate_kwargs["top_p"]) == (1.0, 0.9)
+    # repeat 1 of seed 3 is repeat 0 of seed 4
+    again = measure(model, tokenizer, prompts, contenders[:1], max_new_tokens=8, repeats=1,
+                    sampling=Sampling(temperature=1.0, top_p=0.9, seed=4), progress=False)
+    assert [run.new_tokens for run in again.runs[BASELINE][0]] == tokens[BASELINE][1]
+
+
+def test_bench_samples_with_the_flags_and_reports_no_consistency(tiny_llama_dir, prompt_file, tmp_path, capsys):
+    output = tmp_path / "out"
+    status = main(["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output),
+                   "--contenders", "prompt_lookup,self_speculative", "--do-sample", "--temperature", "0.7",
+                   "--top-p", "0.9", "--seed", "5", *BENCH_FLAGS])
+    assert status == 0
+    results = json.loads((output / "results.json").read_text())
+    assert results["settings"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+    assert results["settings"]["speedup_metric"] == "seconds_per_token"
+    for contender in results["contenders"]:
+        assert contender["generate_kwargs"]["do_sample"] is True and contender["generate_kwargs"]["top_p"] == 0.9
+        assert contender["consistency"]["verdict"] == "sampled"
+    assert_valid_png(output / "speedup_by_category.png")
+    assert "n/a (sampled)" in capsys.readouterr().out
+
+
+def _bench_args(*argv):
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_workload_is_its_held_out_split_whole_unless_told(tmp_path):
+    from hf_selfspec.bench.cli import bench_prompts
+
+    held_out = bench_prompts(_bench_args("--prompts", "workload"))
+    assert held_out == load_prompts(WORKLOAD, split=HELD_OUT_SPLIT)
+    assert {p.split for p in held_out} == {HELD_OUT_SPLIT}
+    tune = bench_prompts(_bench_args("--prompts", "workload", "--split", "tune"))
+    assert tune == load_prompts(WORKLOAD, split=TUNE_SPLIT)
+    assert not {p.id for p in tune} & {p.id for p in held_out}
+    assert len(bench_prompts(_bench_args("--prompts", "workload", "--n-prompts", "3"))) == 3
+    assert len(bench_prompts(_bench_args())) == 20  # HumanEval keeps its 20
+    path = tmp_path / "split.jsonl"
+    rows = [{"id": f"p{i}", "prompt": "x", "split": split} for i, split in enumerate(["tune", "held_out", "tune"])]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    assert [p.id for p in bench_prompts(_bench_args("--prompts", str(path), "--split", "tune"))] == ["p0", "p2"]
+    assert [p.id for p in bench_prompts(_bench_args("--prompts", str(path)))] == ["p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompts", "humaneval", "--split", "tune"],
+         "--split tune: humaneval has no prompt marked with a split; use --prompts workload or a file"),
+        (["--prompts", "{prompts}", "--split", "held_out"], "--split held_out: {prompts} has no prompt marked"),
+        (["--temperature", "0.7", "--seed", "1"], "--temperature, --seed only apply with --do-sample; add it or"),
+    ],
+)
+def test_split_without_splits_and_sampling_flags_without_sampling_are_one_line(prompt_file, tmp_path, capsys,
+                                                                               flags, message):
+    argv = ["bench", *(flag.format(prompts=prompt_file) for flag in flags), "--output", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-selfspec bench: error: ")
+    assert message.format(prompts=prompt_file) in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -14,7 +14,9 @@ from importlib import resources
 from importlib.util import find_spec
 from pathlib import Path
 
-from hf_selfspec.argtypes import non_negative_int, positive_int
+from hf_selfspec.argtypes import non_negative_int, positive_float, positive_int, probability
+from hf_selfspec.bench.sampling import DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Sampling
+from hf_selfspec.prompts import HELD_OUT_SPLIT, SPLITS, TUNE_SPLIT, WORKLOAD, Prompt, load_prompts
 
 # The `bench` extra: without matplotlib the top-level CLI turns this command into an install hint.
 if find_spec("matplotlib") is None:
@@ -28,12 +30,17 @@ DEFAULT_REPEATS = 3
 DEFAULT_OUTPUT = "bench-results"
 
 DESCRIPTION = """\
-Measure plain greedy generate (the baseline) against transformers' prompt lookup
+Measure plain generate (the baseline) against transformers' prompt lookup
 (prompt_lookup_num_tokens=10), transformers' early exit (assistant_early_exit at half the
-layers) and each built-in self-speculative strategy, in one process on the same prompts.
+layers) and each built-in self-speculative strategy, in one process on the same prompts,
+greedily or, with --do-sample, sampling with the same settings and seeds for every contender.
 Runs are interleaved (baseline, contender 1, contender 2, ... on each prompt, then the next
 prompt) so that machine drift hits every contender alike. One warm-up run per contender comes
 first and is not counted.
+
+--prompts workload is the general workload shipped with hf-selfspec: eight kinds of text
+(conversation, writing, translation, summarisation, QA, math, document QA, code) in a tune
+split, which studies tune on, and a held-out split, which the bench measures by default.
 
 Our strategy named by a tuned profile (from --config, or the model's own generation_config)
 for this device and dtype runs with that profile's parameters ("tuned" in the table); every
@@ -45,24 +52,32 @@ EPILOG = """\
 reported per contender:
   tok/s       median over repeats of generated tokens / seconds
   speedup     median over repeats of baseline seconds / contender seconds on the same prompts;
-              min and max over repeats as well
+              min and max over repeats as well; with --do-sample, seconds per generated token
+              in place of seconds, since sampled lengths differ
+  x lookup    the same ratio with transformers' prompt lookup in the baseline's place
   accept      accepted / drafted tokens (our strategies only)
   acc/verify  mean accepted draft tokens per verification (our strategies only)
   consistent  whether its tokens equal plain greedy's on every prompt and repeat ("identical"),
               or first differ only where plain greedy's own logits for the two tokens are
               within a few units in the last place of a reduced-precision dtype ("near-tie",
               with the widest gap seen); anything else is NO (red on a terminal), and the
-              command exits with status 1 if one of hf-selfspec's strategies is NO
-When prompts carry a `category`, median speedups are also shown per category.
+              command exits with status 1 if one of hf-selfspec's strategies is NO; with
+              --do-sample there is no single right output: "n/a (sampled)"
+When prompts carry categories, a table per category follows: each contender's median speedup
+and ratio to prompt lookup in each category, over all prompts, and the geometric mean of the
+category medians (each category counts once; the tuner optimises the same geometric mean).
 
 files written to --output:
-  results.json   every figure above, per contender, per category and per prompt, the machine
-                 (device name, dtype, torch, transformers and hf-selfspec versions), the
-                 arguments and the skip sets used
-  speedup.png    speedup bars with min-max whiskers
-  acceptance.png distribution of accepted draft lengths per strategy
+  results.json             every figure above, per contender, per category and per prompt, the
+                           machine (device name, dtype, torch, transformers and hf-selfspec
+                           versions), the arguments, the sampling settings and the skip sets used
+  speedup.png              speedup bars with min-max whiskers
+  speedup_by_category.png  median speedup per category, one bar per contender, plain at 1x
+  acceptance.png           distribution of accepted draft lengths per strategy
 
 examples:
+  hf-selfspec bench --prompts workload --contenders prompt_lookup,self_speculative
+  hf-selfspec bench --prompts workload --do-sample --temperature 0.7 --top-p 0.9
   hf-selfspec bench --n-prompts 10
   hf-selfspec bench --model ./my-model --config tuned/generation_config.json --prompt-offset 20
   hf-selfspec bench --prompts chat --max-new-tokens 128 --output bench-chat
@@ -102,17 +117,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompts",
         default=DEFAULT_PROMPTS,
-        metavar="humaneval|chat|FILE.jsonl",
-        help="'humaneval' (the HumanEval code prompts), 'chat' (20 open-ended chat prompts shipped "
-        "with hf-selfspec) or a JSONL file with one object a line holding a 'prompt' string or "
-        "'messages' list, and optionally 'id' and 'category' (default: %(default)s)",
+        metavar="humaneval|workload|chat|FILE.jsonl",
+        help="'humaneval' (the HumanEval code prompts), 'workload' (the general workload shipped with "
+        "hf-selfspec, eight categories of text, held-out split unless --split says otherwise), 'chat' (20 "
+        "open-ended chat prompts shipped with hf-selfspec) or a JSONL file with one object a line holding a "
+        "'prompt' string or 'messages' list, and optionally 'id', 'category' and 'split' (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        help=f"use only the prompts of this split: '{TUNE_SPLIT}' is what studies tune on, '{HELD_OUT_SPLIT}' what "
+        f"nothing was tuned on (default: {HELD_OUT_SPLIT} for the workload, every prompt otherwise; a source "
+        "without splits refuses it)",
     )
     parser.add_argument(
         "--n-prompts",
         type=positive_int,
-        default=DEFAULT_N_PROMPTS,
         metavar="N",
-        help="number of prompts to use (default: %(default)s, or fewer if the set is smaller)",
+        help=f"number of prompts to use (default: the whole split for the workload, else {DEFAULT_N_PROMPTS}; "
+        "fewer if the set is smaller)",
     )
     parser.add_argument(
         "--prompt-offset",
@@ -136,6 +159,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="R",
         help="timed passes over all prompts, after the uncounted warm-up; min and max need at "
         "least 3 to mean anything (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--do-sample",
+        action="store_true",
+        help="sample instead of decoding greedily, every contender (the baseline included) with the same "
+        "settings; speedups are then per generated token and consistency is not checked",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=positive_float,
+        metavar="T",
+        help=f"sampling temperature, with --do-sample (default: {DEFAULT_TEMPERATURE:g})",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=probability,
+        metavar="P",
+        help=f"nucleus sampling mass, with --do-sample (default: {DEFAULT_TOP_P:g})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        metavar="S",
+        help=f"with --do-sample, repeat r samples from seed S+r, reset before every timed call so that every "
+        f"contender on a prompt draws from the same seed (default: {DEFAULT_SEED})",
     )
     parser.add_argument(
         "--assistant",
@@ -177,7 +225,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--output",
         default=DEFAULT_OUTPUT,
         metavar="DIR",
-        help="directory for results.json, speedup.png and acceptance.png, created if missing (default: %(default)s)",
+        help="directory for results.json, speedup.png, speedup_by_category.png and acceptance.png, created if "
+        "missing (default: %(default)s)",
     )
     parser.set_defaults(func=run)
     return parser
@@ -194,6 +243,37 @@ def prompt_source(name: str) -> str | Path:
     if name == CHAT:
         return Path(str(resources.files("hf_selfspec").joinpath("data", "chat_prompts.jsonl")))
     return name
+
+
+def bench_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """The prompts `--prompts`, `--split`, `--n-prompts` and `--prompt-offset` select: the workload's
+    held-out split and all of it unless told otherwise, `DEFAULT_N_PROMPTS` of anything else."""
+    source = prompt_source(args.prompts)
+    workload = args.prompts == WORKLOAD
+    if args.split is not None and not any(prompt.split for prompt in load_prompts(source)):
+        raise ValueError(
+            f"--split {args.split}: {args.prompts} has no prompt marked with a split; use --prompts workload or a "
+            "file whose rows carry 'split'"
+        )
+    split = args.split or (HELD_OUT_SPLIT if workload else None)
+    n = args.n_prompts or (None if workload else DEFAULT_N_PROMPTS)
+    return load_prompts(source, n=n, offset=args.prompt_offset, split=split)
+
+
+def bench_sampling(args: argparse.Namespace) -> Sampling | None:
+    """The sampling settings of `--do-sample`, or None for greedy decoding; the sampling flags
+    without `--do-sample` are refused rather than quietly measuring greedy decoding."""
+    given = {
+        name: value
+        for name, value in {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}.items()
+        if value is not None
+    }
+    if args.do_sample:
+        return Sampling(**given)
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"{flags} only apply with --do-sample; add it or drop them")
+    return None
 
 
 def check_config(path: str, flag: str = "--config") -> None:
@@ -277,15 +357,15 @@ def run(args: argparse.Namespace) -> int:
     from .. import available_strategies
     from ..hub.package import check_package_folder
     from ..loading import load_model_and_tokenizer
-    from ..prompts import load_prompts
-    from .benchmark import ACCEPTANCE_PLOT, RESULTS_FILE, SPEEDUP_PLOT, run_benchmark
+    from .benchmark import OUTPUT_FILES, run_benchmark
     from .contenders import HF_SELFSPEC, build_contenders, compared_profile_contender
     from .report import diverged
     from .table import render
 
     # Everything that can be checked cheaply is checked before the model loads.
     try:
-        prompts = load_prompts(prompt_source(args.prompts), n=args.n_prompts, offset=args.prompt_offset)
+        prompts = bench_prompts(args)
+        sampling = bench_sampling(args)
         model_name = check_model(args.model)
         config = args.config or _default_config(model_name)
         if config:
@@ -336,10 +416,11 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         output_dir=args.output,
+        sampling=sampling,
         command=command,
     )
     print(render(results, color=sys.stdout.isatty() and "NO_COLOR" not in os.environ))
-    written = ", ".join(str(Path(args.output) / name) for name in (RESULTS_FILE, SPEEDUP_PLOT, ACCEPTANCE_PLOT))
+    written = ", ".join(str(Path(args.output) / name) for name in OUTPUT_FILES)
     print(f"\nwrote {written}")
     inconsistent = diverged(results, HF_SELFSPEC)
     if inconsistent:

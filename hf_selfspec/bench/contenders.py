@@ -21,6 +21,7 @@ from ..strategies import resolve_strategy
 
 BASELINE = "baseline"
 PLAIN = "plain"
+PROMPT_LOOKUP = "prompt_lookup"  # transformers' prompt lookup: the free speed-up ours must beat
 HF_SELFSPEC = "hf_selfspec"  # the family of our own strategies
 GATED_STRATEGY = "target_confidence_gated"
 CUSTOM_GENERATE = "custom_generate"
@@ -36,8 +37,9 @@ class Contender:
     """One decoding method under test.
 
     `lossless` contenders decode greedily and so must reproduce the baseline's tokens exactly;
-    the report flags any that do not. `family` groups them for the reader: the baseline,
-    transformers' own speed-ups, or this package's strategies.
+    the report flags any that do not (a sampled run, `--do-sample`, has nothing to match).
+    `family` groups them for the reader: the baseline, transformers' own speed-ups, or this
+    package's strategies.
     """
 
     name: str
@@ -140,9 +142,9 @@ def build_contenders(
     plain = {"strategy": PLAIN, "do_sample": False}
     exit_layer = _num_layers(model) // 2
     contenders = [
-        Contender(BASELINE, plain, family="baseline", params_label="greedy"),
+        Contender(BASELINE, plain, family="baseline", params_label=PLAIN),
         Contender(
-            "prompt_lookup",
+            PROMPT_LOOKUP,
             {**plain, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
             family="transformers",
             params_label=f"{PROMPT_LOOKUP_TOKENS} tokens",

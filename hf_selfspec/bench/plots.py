@@ -1,4 +1,4 @@
-"""The two figures of a bench run, drawn from the `results.json` document.
+"""The figures of a bench run, drawn from the `results.json` document.
 
 matplotlib runs on the Agg backend: the bench often runs on headless machines, and a GUI
 backend there either fails or opens windows nobody asked for.
@@ -37,23 +37,62 @@ def plot_speedup(results: dict[str, Any], path: Path) -> None:
     axes.bar(range(len(names)), medians, yerr=whiskers, capsize=4, color=colors)
     axes.axhline(1.0, color="black", linestyle="--", linewidth=1)
     axes.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    axes.set_ylabel("speedup vs greedy generate (x)")
+    axes.set_ylabel(f"speedup vs plain generate, {_decoding(results)} (x)")
     axes.legend(
         handles=[Patch(color=color, label=family) for family, color in FAMILY_COLORS.items()]
         + [Patch(color=MISMATCH_COLOR, label="diverges from plain greedy")],
         fontsize=8,
         loc="best",
     )
+    _save_with_title(figure, axes, results, "bars: median, whiskers: min-max", path)
+
+
+def _save_with_title(figure, axes, results: dict[str, Any], legend: str, path: Path) -> None:
+    """Title the figure with the machine and the run's size, then write it and free it."""
     settings, machine = results["settings"], results["machine"]
     # Two lines: a long CPU or GPU name on one line ran past the figure's right edge.
     axes.set_title(
         f"{machine['device_name']}, {machine['dtype']}\n{settings['prompts']} prompts x "
-        f"{settings['max_new_tokens']} tokens, {settings['repeats']} repeat(s); bars: median, whiskers: min-max",
+        f"{settings['max_new_tokens']} tokens, {settings['repeats']} repeat(s); {legend}",
         fontsize=9,
     )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def plot_category_speedup(results: dict[str, Any], path: Path) -> None:
+    """Median speedup per prompt category, one bar per contender in each group, then every prompt
+    pooled ("all"): a contender that wins only where text is copied shows it at a glance. A
+    contender that diverged from plain greedy beyond a near-tie in a category is hatched there."""
+    categories = results["categories"]
+    contenders = [c for c in results["contenders"] if c["name"] != results["baseline"]]
+    groups = [*categories, "all"]
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.35 * len(groups) * max(1, len(contenders)) + 2.0), 4.5))
+    width = 0.8 / max(1, len(contenders))
+    colors = plt.get_cmap("tab10")
+    for number, contender in enumerate(contenders):
+        summaries = [categories[name]["contenders"][contender["name"]] for name in categories] + [contender]
+        offsets = [group + (number - (len(contenders) - 1) / 2) * width for group in range(len(groups))]
+        medians = [summary["speedup"]["median"] for summary in summaries]
+        bars = axes.bar(offsets, medians, width, label=contender["name"], color=colors(number % 10))
+        for bar, summary in zip(bars, summaries):
+            if summary["consistency"]["divergent_prompts"]:
+                bar.set_hatch("xx")
+                bar.set_edgecolor(MISMATCH_COLOR)
+    axes.axhline(1.0, color="black", linestyle="--", linewidth=1, label="plain")
+    labels = [f"{name}\n({len(category['prompt_ids'])})" for name, category in categories.items()]
+    axes.set_xticks(range(len(groups)), [*labels, "all"], fontsize=8)
+    axes.set_ylabel(f"median speedup vs plain generate, {_decoding(results)} (x)")
+    # Beside the axes: inside, with one bar per contender in every group, it always hides one.
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    hatching = "; hatched: diverges from plain greedy" if results["settings"]["sampling"] is None else ""
+    _save_with_title(figure, axes, results, f"bars: median{hatching}", path)
+
+
+def _decoding(results: dict[str, Any]) -> str:
+    """How the speedups were measured, for an axis label: sampled speedups are per generated token."""
+    return "greedy" if results["settings"]["sampling"] is None else "sampling, per token"
 
 
 def plot_acceptance(results: dict[str, Any], path: Path) -> None:

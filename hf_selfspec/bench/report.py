@@ -1,24 +1,52 @@
 """From raw timings to the figures of `results.json`, overall and per prompt category.
 
-Speedup is computed per repeat, as the baseline's total seconds over a contender's total seconds
-on the same prompts in that repeat, and then summarised by median, min and max across repeats.
-Pairing within a repeat keeps machine drift between repeats out of the ratio; the median keeps
-one disturbed repeat from moving the headline figure.
+Speedup is computed per repeat, as the baseline's cost over a contender's cost on the same prompts
+in that repeat, and then summarised by median, min and max across repeats. Pairing within a repeat
+keeps machine drift between repeats out of the ratio; the median keeps one disturbed repeat from
+moving the headline figure. The cost is total seconds under greedy decoding, where every
+consistent contender writes the same tokens; under sampling, where lengths differ, it is seconds
+per generated token (total seconds over total tokens of the prompts).
+
+The ratio to transformers' prompt lookup pairs the same way, with lookup in the baseline's place:
+it is the figure ours must beat, since lookup comes free with transformers.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..consistency import DIVERGENT, IDENTICAL, NEAR_TIE, Consistency, check_greedy_consistency, tolerance_for
 from ..stats import StrategyStats
-from .contenders import BASELINE
+from .contenders import BASELINE, PROMPT_LOOKUP
 from .runner import Measurements
 
 FORMAT = "hf-selfspec-bench/2"
 UNCATEGORIZED = "uncategorized"
+# What a speedup divides (see the module docstring), named in `settings.speedup_metric`.
+SECONDS = "seconds"
+SECONDS_PER_TOKEN = "seconds_per_token"
+# The consistency verdict of a contender that sampled: no single output is right, so none is judged.
+SAMPLED = "sampled"
+
+
+def geomean_over_categories(speedups: Mapping[str, float]) -> float:
+    """The geometric mean of per-category speedups: the workload's one figure, and the tuner's
+    objective. Each category counts once however many prompts it has, so the categories where
+    generation is slow cannot drown out the others, and 2x on one category with 0.5x on another
+    averages to 1x (the arithmetic mean would claim 1.25x)."""
+    if not speedups:
+        raise ValueError("a geometric mean over categories needs at least one category")
+    for category, speedup in speedups.items():
+        if not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(f"category {category!r}: a speedup must be a positive number, got {speedup}")
+    return math.exp(math.fsum(math.log(speedup) for speedup in speedups.values()) / len(speedups))
+
+
+def speedup_metric(measurements: Measurements) -> str:
+    return SECONDS if measurements.sampling is None else SECONDS_PER_TOKEN
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -36,9 +64,10 @@ def _worst(checks: Sequence[Consistency]) -> Consistency:
 def prompt_consistency(measurements: Measurements, name: str, prompt_index: int) -> Consistency | None:
     """How a greedy contender's output on one prompt compares with plain greedy's, over every
     repeat: the worst repeat decides (divergent over near-tie over identical), so one lucky
-    repeat cannot hide a mismatch. None for a sampling contender, which has nothing to match."""
+    repeat cannot hide a mismatch. None for a sampling contender or a sampled run, which have
+    nothing to match."""
     contender = next(c for c in measurements.contenders if c.name == name)
-    if not contender.lossless:
+    if not contender.lossless or measurements.sampling is not None:
         return None
     reference = measurements.references[prompt_index]
     checks = [
@@ -57,7 +86,7 @@ def _consistency_summary(checks: Sequence[tuple[str, Consistency | None]]) -> di
     """One contender's verdict over prompts, and which prompts were near-ties or divergent."""
     judged = [(prompt_id, check) for prompt_id, check in checks if check is not None]
     if not judged:
-        return {"verdict": None, "max_gap_ulps": None, "near_tie_prompts": [], "divergent_prompts": []}
+        return {"verdict": SAMPLED, "max_gap_ulps": None, "near_tie_prompts": [], "divergent_prompts": []}
     worst = _worst([check for _, check in judged])
     return {
         "verdict": worst.verdict,
@@ -92,27 +121,67 @@ def _acceptance(stats: Sequence[StrategyStats]) -> dict[str, Any]:
     }
 
 
+def _totals(measurements: Measurements, name: str, prompt_indices: Sequence[int]) -> tuple[list[float], list[int]]:
+    """Seconds and generated tokens per repeat, summed over a subset of the prompts."""
+    runs = measurements.runs[name]
+    repeats = range(measurements.repeats)
+    seconds = [sum(runs[r][i].seconds for i in prompt_indices) for r in repeats]
+    return seconds, [sum(len(runs[r][i].new_tokens) for i in prompt_indices) for r in repeats]
+
+
+def _costs(measurements: Measurements, name: str, prompt_indices: Sequence[int]) -> list[float]:
+    """What a speedup divides, per repeat, over a subset of the prompts (see the module docstring)."""
+    seconds, tokens = _totals(measurements, name, prompt_indices)
+    if measurements.sampling is None:
+        return seconds
+    return [secs / count for secs, count in zip(seconds, tokens, strict=True)]
+
+
+def _paired_ratio(
+    measurements: Measurements, reference: str, name: str, prompt_indices: Sequence[int]
+) -> dict[str, Any]:
+    """`reference`'s cost over `name`'s, repeat by repeat, and their spread."""
+    reference_costs = _costs(measurements, reference, prompt_indices)
+    costs = _costs(measurements, name, prompt_indices)
+    ratios = [base / cost for base, cost in zip(reference_costs, costs, strict=True)]
+    return {**spread(ratios), "per_repeat": ratios}
+
+
 def summarize(measurements: Measurements, name: str, prompt_indices: Sequence[int]) -> dict[str, Any]:
-    """Every aggregate figure for one contender over a subset of the prompts."""
+    """Every aggregate figure for one contender over a subset of the prompts; `ratio_to_lookup`
+    is None when transformers' prompt lookup did not run."""
     repeats = range(measurements.repeats)
     runs = measurements.runs[name]
-    baseline = measurements.runs[BASELINE]
-    seconds = [sum(runs[r][i].seconds for i in prompt_indices) for r in repeats]
-    baseline_seconds = [sum(baseline[r][i].seconds for i in prompt_indices) for r in repeats]
-    new_tokens = [sum(len(runs[r][i].new_tokens) for i in prompt_indices) for r in repeats]
-    speedups = [base / own for base, own in zip(baseline_seconds, seconds, strict=True)]
+    seconds, new_tokens = _totals(measurements, name, prompt_indices)
     stats = [runs[r][i].stats for r in repeats for i in prompt_indices if runs[r][i].stats is not None]
     consistency = _consistency_summary(
         [(measurements.prompts[i].id, prompt_consistency(measurements, name, i)) for i in prompt_indices]
     )
+    lookup_ran = PROMPT_LOOKUP in measurements.runs
     return {
         "tokens_per_second": spread([tokens / secs for tokens, secs in zip(new_tokens, seconds, strict=True)]),
-        "speedup": {**spread(speedups), "per_repeat": speedups},
+        "speedup": _paired_ratio(measurements, BASELINE, name, prompt_indices),
+        "ratio_to_lookup": _paired_ratio(measurements, PROMPT_LOOKUP, name, prompt_indices) if lookup_ran else None,
         "seconds_per_repeat": seconds,
         "new_tokens_per_repeat": new_tokens,
         **_acceptance(stats),
-        "identical": consistency["verdict"] == IDENTICAL,
+        "identical": None if consistency["verdict"] == SAMPLED else consistency["verdict"] == IDENTICAL,
         "consistency": consistency,
+    }
+
+
+def _category_geomeans(by_category: Mapping[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Geometric means over categories of one contender's median speedup and median ratio to
+    lookup; None where there are no categories, or no lookup."""
+    medians = {category: summary["speedup"]["median"] for category, summary in by_category.items()}
+    lookup_medians = {
+        category: summary["ratio_to_lookup"]["median"]
+        for category, summary in by_category.items()
+        if summary["ratio_to_lookup"] is not None
+    }
+    return {
+        "category_geomean_speedup": geomean_over_categories(medians) if medians else None,
+        "category_geomean_ratio_to_lookup": geomean_over_categories(lookup_medians) if lookup_medians else None,
     }
 
 
@@ -125,7 +194,7 @@ def _prompt_details(measurements: Measurements, name: str) -> list[dict[str, Any
             {
                 "id": prompt.id,
                 "category": prompt.category,
-                "consistency": consistency.verdict if consistency is not None else None,
+                "consistency": consistency.verdict if consistency is not None else SAMPLED,
                 "first_difference": consistency.first_difference if consistency is not None else None,
                 "gap_ulps": consistency.gap_ulps if consistency is not None else None,
                 "seconds": [run.seconds for run in runs],
@@ -157,7 +226,17 @@ def results_document(
 ) -> dict[str, Any]:
     """The whole of `results.json`: enough to redraw the table and plots, or audit a claim."""
     everything = range(len(measurements.prompts))
-    groups = category_indices(measurements)
+    categories = {
+        category: {
+            "prompt_ids": [measurements.prompts[i].id for i in indices],
+            "contenders": {
+                contender.name: summarize(measurements, contender.name, indices)
+                for contender in measurements.contenders
+            },
+        }
+        for category, indices in category_indices(measurements).items()
+    }
+    sampling = measurements.sampling
     return {
         "format": FORMAT,
         "machine": machine,
@@ -168,26 +247,23 @@ def results_document(
             "max_new_tokens": measurements.max_new_tokens,
             "repeats": measurements.repeats,
             "warmup_runs_per_contender": 1,
+            "sampling": sampling.to_json() if sampling is not None else None,
+            "speedup_metric": speedup_metric(measurements),
         },
         "skip_sets": skip_sets,
         "baseline": BASELINE,
+        "lookup": PROMPT_LOOKUP if PROMPT_LOOKUP in measurements.runs else None,
         "prompts": [{"id": prompt.id, "category": prompt.category} for prompt in measurements.prompts],
         "contenders": [
             {
                 **contender.describe(),
                 **summarize(measurements, contender.name, everything),
+                **_category_geomeans(
+                    {category: block["contenders"][contender.name] for category, block in categories.items()}
+                ),
                 "per_prompt": _prompt_details(measurements, contender.name),
             }
             for contender in measurements.contenders
         ],
-        "categories": {
-            category: {
-                "prompt_ids": [measurements.prompts[i].id for i in indices],
-                "contenders": {
-                    contender.name: summarize(measurements, contender.name, indices)
-                    for contender in measurements.contenders
-                },
-            }
-            for category, indices in groups.items()
-        },
+        "categories": categories,
     }

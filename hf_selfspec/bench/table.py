@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..consistency import IDENTICAL, NEAR_TIE
+from ..consistency import DIVERGENT, IDENTICAL, NEAR_TIE
+from .report import SAMPLED, SECONDS
 
 RED = "\033[31m"
 RESET = "\033[0m"
@@ -44,17 +45,22 @@ def _number(value: float | None, pattern: str) -> str:
 
 def _consistency_cell(consistency: dict[str, Any]) -> Cell:
     verdict = consistency["verdict"]
-    if verdict is None:
-        return Cell("- (sampled)")
+    if verdict == SAMPLED:
+        return Cell("n/a (sampled)")
     if verdict == NEAR_TIE:
         return Cell(f"near-tie (max {consistency['max_gap_ulps']:g} ulp)")
     return Cell("identical") if verdict == IDENTICAL else Cell("NO", alarm=True)
+
+
+def _ratio(figures: dict[str, Any] | None) -> str:
+    return "-" if figures is None else f"{figures['median']:.2f}x"
 
 
 def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
     rows = []
     for contender in results["contenders"]:
         speedup = contender["speedup"]
+        lookup = [Cell(_ratio(contender["ratio_to_lookup"]))] if results["lookup"] else []
         rows.append(
             [
                 Cell(contender["name"]),
@@ -63,6 +69,7 @@ def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
                 Cell(_number(speedup["median"], "{:.2f}x")),
                 Cell(_number(speedup["min"], "{:.2f}x")),
                 Cell(_number(speedup["max"], "{:.2f}x")),
+                *lookup,
                 Cell(_number(contender["acceptance_rate"], "{:.0%}")),
                 Cell(_number(contender["mean_accepted_length"], "{:.2f}")),
                 _consistency_cell(contender["consistency"]),
@@ -71,34 +78,63 @@ def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
     return rows
 
 
-def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
-    """Median speedup per category: a strategy that only wins on code should not hide behind an
-    average over code and chat."""
+def _category_grid(results: dict[str, Any], figure: str, geomean: str, skip: set[str], color: bool) -> list[str]:
+    """One row per contender not in `skip`: its median `figure` in each category, over every
+    prompt ("all", pooled) and the geometric mean of its category medians."""
     categories = results["categories"]
-    if len(categories) < 2:
-        return []
     rows = []
     for contender in results["contenders"]:
+        if contender["name"] in skip:
+            continue
         row = [Cell(contender["name"])]
         for category in categories.values():
             summary = category["contenders"][contender["name"]]
+            verdict = summary["consistency"]["verdict"]
             consistency = _consistency_cell(summary["consistency"])
-            text = f"{summary['speedup']['median']:.2f}x" + ("" if summary["identical"] else f" {consistency.text}")
-            row.append(Cell(text, alarm=consistency.alarm))
+            flagged = verdict in (NEAR_TIE, DIVERGENT)  # a speedup never hides what the output became
+            row.append(Cell(_ratio(summary[figure]) + (f" {consistency.text}" if flagged else ""), consistency.alarm))
+        row += [Cell(_ratio(contender[figure])), Cell(_number(contender[geomean], "{:.2f}x"))]
         rows.append(row)
     headers = ["contender", *(f"{name} ({len(category['prompt_ids'])})" for name, category in categories.items())]
-    return ["", "median speedup by prompt category (number of prompts):", *_grid(headers, rows, color, left_columns=1)]
+    return _grid([*headers, "all", "geomean"], rows, color, left_columns=1)
+
+
+def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
+    """Median speedup per category, and the ratio to transformers' prompt lookup per category: a
+    strategy that only wins on code should not hide behind an average over code and chat."""
+    if len(results["categories"]) < 2:
+        return []
+    lines = [
+        "",
+        "median speedup over plain by prompt category (number of prompts); all: every prompt pooled; "
+        "geomean: of the category medians",
+        *_category_grid(results, "speedup", "category_geomean_speedup", {results["baseline"]}, color),
+    ]
+    lookup = results["lookup"]
+    if lookup:
+        lines += [
+            "",
+            f"x lookup: median ratio to transformers' prompt lookup ({lookup}), paired per repeat like the speedup, "
+            "by prompt category",
+            *_category_grid(
+                results, "ratio_to_lookup", "category_geomean_ratio_to_lookup", {results["baseline"], lookup}, color
+            ),
+        ]
+    return lines
 
 
 def _notes(results: dict[str, Any], color: bool) -> list[str]:
     settings, skip_sets = results["settings"], results["skip_sets"]
     default = skip_sets["default_params"]
+    cost = "seconds" if settings["speedup_metric"] == SECONDS else "seconds per generated token"
+    lookup = results["lookup"]
     notes = [
         "",
         (
-            f"speedup: per repeat, baseline seconds / contender seconds over the same prompts; median, min and max "
+            f"speedup: per repeat, baseline {cost} / contender {cost} over the same prompts; median, min and max "
             f"over {settings['repeats']} repeat(s). accept: accepted / drafted tokens. "
             "acc/verify: accepted tokens per verification."
+            + (f" x lookup: the same ratio with {lookup} in the baseline's place." if lookup else "")
         ),
         f"default skip set: attn {default['attn_skip_layers']}, mlp {default['mlp_skip_layers']}",
     ]
@@ -110,12 +146,15 @@ def _notes(results: dict[str, Any], color: bool) -> list[str]:
             f"tuned profile for {skip_sets['profile_key']}: {profile['strategy']} with {json.dumps(profile['params'])}"
         )
     tolerance = results["consistency_tolerance_ulps"]
-    notes.append(
-        f"consistent: identical to plain greedy, or a near-tie: first differing where plain's own logits for the "
-        f"two tokens were within {tolerance:g} ulp of {results['machine']['dtype']}"
-        if tolerance
-        else f"consistent: identical to plain greedy ({results['machine']['dtype']} admits no near-tie)"
-    )
+    if settings["sampling"] is not None:
+        notes.append("consistent: not applicable to sampling, which has no single right output (n/a, sampled)")
+    else:
+        notes.append(
+            f"consistent: identical to plain greedy, or a near-tie: first differing where plain's own logits for "
+            f"the two tokens were within {tolerance:g} ulp of {results['machine']['dtype']}"
+            if tolerance
+            else f"consistent: identical to plain greedy ({results['machine']['dtype']} admits no near-tie)"
+        )
     for contender in results["contenders"]:
         divergent = contender["consistency"]["divergent_prompts"]
         if divergent:
@@ -127,12 +166,25 @@ def _notes(results: dict[str, Any], color: bool) -> list[str]:
     return notes
 
 
+def _decoding(settings: dict[str, Any]) -> str:
+    sampling = settings["sampling"]
+    if sampling is None:
+        return "greedy"
+    return (
+        f"sampling at temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, "
+        f"seed {sampling['seed']} + repeat"
+    )
+
+
 def render(results: dict[str, Any], color: bool = False) -> str:
     settings, machine = results["settings"], results["machine"]
-    headers = ["contender", "params", "tok/s", "speedup", "min", "max", "accept", "acc/verify", "consistent"]
+    lookup = ["x lookup"] if results["lookup"] else []
+    headers = [
+        "contender", "params", "tok/s", "speedup", "min", "max", *lookup, "accept", "acc/verify", "consistent",
+    ]  # fmt: skip
     title = (
         f"{settings['prompts']} prompts x {settings['max_new_tokens']} new tokens, {settings['repeats']} repeat(s), "
-        f"{machine['device_name']} ({machine['device']}, {machine['dtype']})"
+        f"{_decoding(settings)}, {machine['device_name']} ({machine['device']}, {machine['dtype']})"
     )
     lines = [title, "", *_grid(headers, _main_rows(results), color, left_columns=2)]
     lines += _category_lines(results, color)
