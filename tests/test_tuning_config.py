@@ -63,6 +63,14 @@ def test_every_shipped_study_config_loads(path):
         ("[study]\nheartbeat_interval = 30\ngrace_period = 30\n", "study.grace_period", "exceed"),
         ('[study]\nsampler = "grid"\n', "study.sampler", "must be one of"),
         ("study = 3\n", "study", "table"),
+        ('[prompts]\nsource = "workload"\nsplit = "held_out"\n', "prompts.split", "never tunes on the 'held_out' split"),
+        ('[prompts]\nsplit = "train"\n', "prompts.split", "must be 'tune'"),
+        ('[prompts]\nsplit = "tune"\n', "prompts.split", "'humaneval' has no splits"),
+        ("[prompts]\nper_category = 2\n", "prompts.per_category", "all one category"),
+        ('[prompts]\nsource = "workload"\nper_category = 0\n', "prompts.per_category", "at least 1"),
+        ('[prompts]\nsource = "workload"\noffset = 3\n', "prompts.offset", "per category"),
+        ("[study]\ncategory_floor = 0\n", "study.category_floor", "above 0"),
+        ('[study]\ncategory_floor = "plain"\n', "study.category_floor", "must be an integer or a number"),
     ],
 )
 def test_bad_config_names_the_file_and_the_key(tmp_path, body, key, words):
@@ -89,6 +97,20 @@ def test_jsonl_prompt_source_is_relative_to_the_config(tmp_path):
     path = tmp_path / "study.toml"
     path.write_text('[prompts]\nsource = "prompts.jsonl"\n')
     assert load_study_config(path).prompts.source == str((tmp_path / "prompts.jsonl").resolve())
+
+
+def test_a_workload_study_reads_the_tune_split_per_category_with_a_floor(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text('[prompts]\nsource = "workload"\nper_category = 2\n[study]\ncategory_floor = 1\n')
+    config = load_study_config(path)
+    assert (config.prompts.source, config.prompts.split, config.prompts.per_category) == ("workload", "tune", 2)
+    assert config.prompts.n_prompts is None and config.study.category_floor == 1.0
+    # `split = "tune"` may be spelt out; a JSONL file keeps every prompt unless it says so.
+    path.write_text('[prompts]\nsource = "workload"\nsplit = "tune"\n')
+    assert load_study_config(path).prompts.split == "tune"
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "def f():"}\n')
+    path.write_text('[prompts]\nsource = "prompts.jsonl"\n')
+    assert load_study_config(path).prompts.split is None
 
 
 def test_overrides_replace_the_prompt_set_only():

@@ -84,3 +84,51 @@ def test_an_unknown_study_lists_the_ones_there(storage, tiny_llama_dir, tmp_path
     assert main(["export", "--study", "absent", "--storage", storage, "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no study 'absent'" in err and "present" in err
+
+
+CATEGORIES = {
+    "category_speedups": {"translation": 2.4, "conversation": 1.05},
+    "category_acceptance": {"translation": 0.8, "conversation": 0.3},
+    "category_prompts": {"translation": 2, "conversation": 2},
+    "speedup_kind": "category_geometric_mean",
+}
+
+
+def test_a_workload_profile_records_its_categories_and_what_its_speedup_is(storage, tiny_llama_dir, tmp_path):
+    make_tuned_looking_study(
+        storage, "s", tiny_llama_dir, speedups=(0.8, 1.59), attrs=({}, CATEGORIES),
+        prompt_source="workload", n_prompts=4, prompt_split="tune", prompts_per_category=2, category_floor=1.0,
+    )  # fmt: skip
+    measured = export_profile(storage, "s", tmp_path).profile.measured
+    assert measured["trial"] == 1 and measured["speedup_kind"] == "category_geometric_mean"
+    assert measured["categories"] == {
+        "translation": {"speedup": 2.4, "acceptance_rate": 0.8, "prompts": 2},
+        "conversation": {"speedup": 1.05, "acceptance_rate": 0.3, "prompts": 2},
+    }
+    assert measured["prompts"] == {
+        "source": "workload", "n_prompts": 4, "offset": 0, "max_new_tokens": 8, "split": "tune", "per_category": 2,
+    }  # fmt: skip
+    assert measured["category_floor"] == 1.0
+
+
+def test_a_trial_below_the_category_floor_is_never_exported(storage, tiny_llama_dir, tmp_path, capsys):
+    """Trial 1 is fastest overall but below the floor in one category: trial 2 is exported."""
+    make_tuned_looking_study(
+        storage, "s", tiny_llama_dir, speedups=(0.8, 1.6, 1.2),
+        constraints=({"category_floor": 0.2}, {"category_floor": 0.1}, {"category_floor": -0.05}),
+        category_floor=1.0,
+    )  # fmt: skip
+    assert main(["export", "--study", "s", "--storage", storage, "--output", str(tmp_path)]) == 0
+    profile = json.loads((tmp_path / "generation_config.json").read_text())[PROFILE_KEY]["cpu/float32"]
+    assert profile["measured"]["trial"] == 2
+    assert "Passed over trials below the study's category floor: 0, 1" in capsys.readouterr().out
+
+
+def test_a_study_with_no_trial_above_its_floor_exports_nothing(storage, tiny_llama_dir, tmp_path):
+    make_tuned_looking_study(
+        storage, "s", tiny_llama_dir, speedups=(1.3, 1.6), constraints=({"category_floor": 0.2},) * 2,
+        category_floor=1.0,
+    )  # fmt: skip
+    with pytest.raises(ExportError, match="no trial that meets its category floor: all 2 complete trials"):
+        export_profile(storage, "s", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -81,13 +81,22 @@ def free_port() -> int:
 
 
 def make_tuned_looking_study(
-    storage_url: str, name: str, model_dir: Path, num_layers: int = 4, speedups=(0.8, 1.2, 1.1)
+    storage_url: str,
+    name: str,
+    model_dir: Path,
+    num_layers: int = 4,
+    speedups=(0.8, 1.2, 1.1),
+    attrs=(),
+    constraints=(),
+    **context,
 ) -> optuna.Study:
     """A study shaped like `tune` leaves one (context, user attrs, warm-start parameters), with
-    made-up measurements: for tests of export and the dashboard that need no model run."""
+    made-up measurements: for tests of export and the dashboard that need no model run. `attrs`
+    and `constraints` add, trial by trial, user attributes and Optuna constraints; `context`
+    replaces fields of the study's context."""
     search = SearchConfig()
     study = optuna.create_study(storage=storage_url, study_name=name, direction="maximize")
-    StudyContext(
+    fields = dict(
         model=str(model_dir),
         gguf_file=None,
         dtype="float32",
@@ -100,12 +109,13 @@ def make_tuned_looking_study(
         max_new_tokens=8,
         baseline_tokens_per_second=100.0,
         versions={"optuna": optuna.__version__},
-    ).save(study)
-    for params, speedup in zip(warm_start_trials(search, num_layers), speedups, strict=False):
+    )
+    StudyContext(**{**fields, **context}).save(study)
+    for number, (params, speedup) in enumerate(zip(warm_start_trials(search, num_layers), speedups, strict=False)):
         study.enqueue_trial(params)
         trial = study.ask()
         decoded = suggest_params(trial, search, num_layers)  # takes the enqueued values
-        attrs = {
+        measured = {
             "speedup": speedup,
             "acceptance_rate": 0.5,
             "mean_accepted_length": 1.5,
@@ -114,8 +124,11 @@ def make_tuned_looking_study(
             "skip_ratio": skip_ratio(decoded, num_layers),
             "attn_skip_layers": decoded["attn_skip_layers"],
             "mlp_skip_layers": decoded["mlp_skip_layers"],
+            **(attrs[number] if number < len(attrs) else {}),
         }
-        for key, value in attrs.items():
+        for key, value in measured.items():
             trial.set_user_attr(key, value)
+        for key, value in (constraints[number] if number < len(constraints) else {}).items():
+            trial.set_constraint(key, value)
         study.tell(trial, speedup)
     return study

@@ -99,6 +99,11 @@ def _export(args: argparse.Namespace) -> int:
     corpus = result.profile.params["lookup_corpus"]
     if corpus:
         print(f"Copied its lookup corpus {corpus} (and its .json) beside it")
+    if result.infeasible_trials:
+        print(
+            "Passed over trials below the study's category floor: "
+            + ", ".join(str(number) for number in result.infeasible_trials)
+        )
     print(f"It now holds profiles for: {', '.join(sorted(profiles))}")
     if args.custom_generate:
         from hf_selfspec.hub.package import package, summary

@@ -18,7 +18,7 @@ import torch
 from hf_selfspec.adapter import adapter_files, read_adapter, read_adapter_shape
 from hf_selfspec.lookup_corpus import read_corpus_description
 from hf_selfspec.loading import AUTO, EMBEDDED, parse_dtype
-from hf_selfspec.prompts import HUMANEVAL
+from hf_selfspec.prompts import HELD_OUT_SPLIT, HUMANEVAL, TUNE_SPLIT, WORKLOAD
 from hf_selfspec.strategies import resolve_strategy
 
 from . import TuningError
@@ -27,6 +27,8 @@ from .space import KNOBS, STRATEGY_KNOBS
 SAMPLERS = ("tpe", "random")
 OBJECTIVES = ("measured", "estimated")
 PRUNERS = ("median", "none")
+# Prompts per trial from HumanEval or a JSONL file when the config does not say.
+DEFAULT_N_PROMPTS = 8
 
 
 class StudyConfigError(TuningError):
@@ -43,10 +45,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PromptConfig:
-    source: str = HUMANEVAL
-    n_prompts: int = 8
+    source: str = HUMANEVAL  # "humaneval", "workload", or a JSONL file's resolved path
+    # At most this many prompts; None: DEFAULT_N_PROMPTS from a slice, all from a per-category selection.
+    n_prompts: int | None = None
     offset: int = 0
     max_new_tokens: int = 64
+    # Only prompts marked with this split; the workload's is always the tune split.
+    split: str | None = None
+    # The first this many prompts of each category (`study_prompts`).
+    per_category: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class StudySettings:
     # trial), then measure the `confirm_top` best for real in the measured study of the config.
     objective: str = "measured"
     confirm_top: int = 3
+    # A trial whose speedup in any category of its prompts is below this is infeasible.
+    category_floor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,21 +176,54 @@ def _model(reader: _Reader) -> ModelConfig:
     )
 
 
+def _prompt_source(reader: _Reader, table: dict[str, Any]) -> str:
+    source = reader.get(table, "prompts", "source", str, HUMANEVAL)
+    if source in (HUMANEVAL, WORKLOAD):
+        return source
+    # A prompt file is named relative to the config, so a study directory can be moved whole.
+    resolved = (reader.path.parent / source).resolve()
+    if not resolved.is_file():
+        raise reader.error(
+            "prompts.source", f"{source!r} is neither {HUMANEVAL!r}, {WORKLOAD!r} nor a JSONL file ({resolved})"
+        )
+    return str(resolved)
+
+
+def _split(reader: _Reader, table: dict[str, Any], source: str) -> str | None:
+    split = reader.get(table, "prompts", "split", str, None)
+    if split == HELD_OUT_SPLIT:
+        raise reader.error(
+            "prompts.split",
+            f"a study never tunes on the {HELD_OUT_SPLIT!r} split: it is kept for measuring what tuning "
+            f"found (`hf-selfspec bench`); use {TUNE_SPLIT!r}",
+        )
+    if split is not None and split != TUNE_SPLIT:
+        raise reader.error("prompts.split", f"must be {TUNE_SPLIT!r}, got {split!r}")
+    if split is not None and source == HUMANEVAL:
+        raise reader.error("prompts.split", f"{HUMANEVAL!r} has no splits; keep prompts apart with offset")
+    return TUNE_SPLIT if source == WORKLOAD else split
+
+
 def _prompts(reader: _Reader) -> PromptConfig:
     table = reader.section("prompts", {f.name for f in dataclasses.fields(PromptConfig)})
     defaults = PromptConfig()
-    source = reader.get(table, "prompts", "source", str, defaults.source)
-    if source != HUMANEVAL:
-        # A prompt file is named relative to the config, so a study directory can be moved whole.
-        resolved = (reader.path.parent / source).resolve()
-        if not resolved.is_file():
-            raise reader.error("prompts.source", f"{source!r} is neither {HUMANEVAL!r} nor a JSONL file ({resolved})")
-        source = str(resolved)
+    source = _prompt_source(reader, table)
+    per_category = reader.at_least(table, "prompts", "per_category", 1, None)
+    if per_category is not None and source == HUMANEVAL:
+        raise reader.error("prompts.per_category", f"{HUMANEVAL!r} is all one category (code); use n_prompts")
+    offset = reader.at_least(table, "prompts", "offset", 0, defaults.offset)
+    if offset and (source == WORKLOAD or per_category is not None):
+        raise reader.error(
+            "prompts.offset",
+            "does not apply to prompts chosen per category (the first per_category of each); leave it out",
+        )
     return PromptConfig(
         source=source,
         n_prompts=reader.at_least(table, "prompts", "n_prompts", 1, defaults.n_prompts),
-        offset=reader.at_least(table, "prompts", "offset", 0, defaults.offset),
+        offset=offset,
         max_new_tokens=reader.at_least(table, "prompts", "max_new_tokens", 1, defaults.max_new_tokens),
+        split=_split(reader, table, source),
+        per_category=per_category,
     )
 
 
@@ -309,7 +351,13 @@ def _study(reader: _Reader) -> StudySettings:
         grace_period=reader.at_least(table, "study", "grace_period", 1, defaults.grace_period),
         objective=reader.choice(table, "study", "objective", OBJECTIVES, defaults.objective),
         confirm_top=reader.at_least(table, "study", "confirm_top", 0, defaults.confirm_top),
+        category_floor=reader.get(table, "study", "category_floor", (int, float), None),
     )
+    if settings.category_floor is not None and settings.category_floor <= 0:
+        raise reader.error(
+            "study.category_floor",
+            f"must be a speedup above 0 (1.0: no category slower than plain), got {settings.category_floor}",
+        )
     if settings.grace_period <= settings.heartbeat_interval:
         # A live worker would see its own running trial declared dead between two heartbeats.
         raise reader.error(

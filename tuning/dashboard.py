@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from hf_selfspec.params import SelfSpecParams
 
+from .categories import describe_categories, is_feasible
 from .storage import StudyContext, display_url, open_storage
 
 
@@ -81,6 +82,7 @@ def describe_trial(trial: optuna.trial.FrozenTrial) -> str:
         f"Its draft {_draft_in_words(attrs)} and "
         f"{_knobs_in_words(trial.params)}; {attrs['acceptance_rate']:.0%} of drafted tokens were accepted, "
         f"{attrs['mean_accepted_length']:.2f} per verification."
+        + (f" By category: {describe_categories(attrs)}." if describe_categories(attrs) else "")
     )
 
 
@@ -93,17 +95,26 @@ def count_states(trials: Iterable[optuna.trial.FrozenTrial]) -> dict[TrialState,
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    """The best complete trial, or None; `study.best_trial` raises when there is none."""
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    """The best complete feasible trial (none of its categories below the study's floor), or
+    None; `study.best_trial` raises when there is none."""
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if is_feasible(t)]
     return max(complete, key=lambda trial: trial.value) if complete else None
+
+
+def infeasible_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The complete trials with a category below the study's floor: never the best, never exported."""
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if not is_feasible(t)]
 
 
 def study_note(study: optuna.Study) -> str:
     context = StudyContext.load(study)
     counts = count_states(study.get_trials(deepcopy=False))
     best = best_trial(study)
+    infeasible = len(infeasible_trials(study))
     model = context.model + (f" ({context.gguf_file})" if context.gguf_file else "")
-    offset = f", from #{context.prompt_offset}" if context.prompt_offset else ""
+    selection = f", from #{context.prompt_offset}" if context.prompt_offset else ""
+    selection += f", {context.prompt_split} split" if context.prompt_split else ""
+    selection += f", {context.prompts_per_category} per category" if context.prompts_per_category else ""
     lines = [
         f"## {study.study_name}",
         "",
@@ -112,14 +123,21 @@ def study_note(study: optuna.Study) -> str:
         f"| Model | `{model}`, {context.num_layers} layers |",
         f"| Device | `{context.device_key}` |",
         f"| Strategy | `{context.strategy}` |",
-        f"| Prompts | {context.n_prompts} from `{context.prompt_source}`{offset}, "
+        f"| Prompts | {context.n_prompts} from `{context.prompt_source}`{selection}, "
         f"{context.max_new_tokens} new tokens each |",
         *([f"| Lookup corpus | `{context.lookup_corpus_name}` |"] if context.lookup_corpus else []),
         f"| Plain greedy | {context.baseline_tokens_per_second:.1f} tokens/s |",
         f"| Trials | {counts[TrialState.COMPLETE]} complete, {counts[TrialState.PRUNED]} pruned, "
         f"{counts[TrialState.FAIL]} failed |",
+        *(
+            [f"| Category floor | {context.category_floor:.2f}x; {infeasible} complete trial(s) below it |"]
+            if context.category_floor
+            else []
+        ),
         "",
-        f"**Best so far.** {describe_trial(best)}" if best else "No trial has completed yet.",
+        f"**Best so far.** {describe_trial(best)}"
+        if best
+        else ("No trial has met the category floor yet." if infeasible else "No trial has completed yet."),
         "",
         f"Export it with `hf-selfspec export --study '{study.study_name}' --output DIR`.",
     ]

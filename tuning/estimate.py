@@ -56,6 +56,7 @@ from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import resolve_strategy
 
+from .categories import CategorySpeedups
 from .config import SearchConfig
 from .objective import PreparedPrompt, begin_trial
 
@@ -554,10 +555,21 @@ def plain_seconds(data: TeacherForcedPrompt, cost: CostModel) -> float:
 
 
 class EstimatedSpeedupObjective:
-    """`study.optimize`'s objective when the study config says `objective = "estimated"`."""
+    """`study.optimize`'s objective when the study config says `objective = "estimated"`: the
+    estimated speedup per category of the prompts, made one value (and judged against a
+    `category_floor`) as the measured objective does (`categories`)."""
 
-    def __init__(self, model, prompts: Sequence[TeacherForcedPrompt], cost: CostModel, search: SearchConfig, worker: str):
+    def __init__(
+        self,
+        model,
+        prompts: Sequence[TeacherForcedPrompt],
+        cost: CostModel,
+        search: SearchConfig,
+        worker: str,
+        category_floor: float | None = None,
+    ):
         self.model, self.prompts, self.cost, self.search, self.worker = model, prompts, cost, search, worker
+        self.category_floor = category_floor
 
     def __call__(self, trial: optuna.Trial) -> float:
         num_layers = self.cost.num_layers
@@ -566,26 +578,13 @@ class EstimatedSpeedupObjective:
             params = resolve_params(num_layers, values)
         except ValueError as error:
             raise optuna.TrialPruned(f"invalid skip set: {error}") from None
-        totals, baseline, candidate, tokens = StrategyStats(), 0.0, 0.0, 0
+        categories = CategorySpeedups([data.prompt.category for data in self.prompts])
         corpus = load_lookup_corpus(self.model, params.lookup_corpus) if params.lookup_corpus else None
         for data in self.prompts:
             predicted = draft_predictions(self.model, data, params)
             seconds, stats = replay_decode(data, params, self.search.strategy, predicted, self.cost, corpus)
-            totals.add(stats)
-            baseline += plain_seconds(data, self.cost)
-            candidate += seconds
-            tokens += len(data.reference)
-        speedup = baseline / candidate
-        attrs: dict[str, Any] = {
-            "objective": "estimated",
-            "speedup": speedup,
-            "acceptance_rate": totals.acceptance_rate,
-            "mean_accepted_length": totals.mean_accepted_length,
-            "tokens_per_second": tokens / candidate,
-            "baseline_tokens_per_second": tokens / baseline,
-            "draft_token_seconds": self.cost.draft_token_seconds(params),
-            "prompts_measured": len(self.prompts),
-        }
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
-        return speedup
+            categories.add(data.prompt.category, plain_seconds(data, self.cost), seconds, len(data.reference), stats)
+        trial.set_user_attr("objective", "estimated")
+        trial.set_user_attr("draft_token_seconds", self.cost.draft_token_seconds(params))
+        categories.record(trial, self.category_floor)
+        return categories.value

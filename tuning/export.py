@@ -22,7 +22,8 @@ from hf_selfspec.loading import EMBEDDED
 from hf_selfspec.profiles import TunedProfile, read_config_json, write_profile
 
 from . import TuningError
-from .dashboard import best_trial, count_states
+from .categories import POOLED
+from .dashboard import best_trial, count_states, infeasible_trials
 from .space import decode_params
 from .storage import StudyContext, load_existing_study
 
@@ -38,6 +39,8 @@ class ExportResult:
     path: Path
     key: str
     profile: TunedProfile
+    # Complete trials passed over for a category below the study's floor, by number.
+    infeasible_trials: tuple[int, ...] = ()
 
 
 def _model_generation_config(context: StudyContext) -> dict[str, Any]:
@@ -87,8 +90,14 @@ def _write_atomically(path: Path, data: dict[str, Any]) -> None:
 
 
 def best_profile(study, context: StudyContext) -> TunedProfile:
-    """The study's best complete trial as a profile, with what it was measured on."""
+    """The study's best complete feasible trial as a profile, with what it was measured on."""
     best = best_trial(study)
+    infeasible = infeasible_trials(study)
+    if best is None and infeasible:
+        raise ExportError(
+            f"study {study.study_name!r} has no trial that meets its category floor: all {len(infeasible)} "
+            "complete trials fall below it in some category; tune longer, or lower [study] category_floor"
+        )
     if best is None:
         counts = count_states(study.get_trials(deepcopy=False))
         raise ExportError(
@@ -102,17 +111,32 @@ def best_profile(study, context: StudyContext) -> TunedProfile:
         "mean_accepted_length": attrs["mean_accepted_length"],
         "tokens_per_second": attrs["tokens_per_second"],
         "baseline_tokens_per_second": attrs["baseline_tokens_per_second"],
+        # Trials from before categories were counted had a pooled speedup.
+        "speedup_kind": attrs.get("speedup_kind", POOLED),
         "prompts": {
             "source": context.prompt_source,
             "n_prompts": context.n_prompts,
             "offset": context.prompt_offset,
             "max_new_tokens": context.max_new_tokens,
+            **({"split": context.prompt_split} if context.prompt_split else {}),
+            **({"per_category": context.prompts_per_category} if context.prompts_per_category else {}),
         },
         "study": study.study_name,
         "trial": best.number,
         "measured_at": best.datetime_complete.isoformat(timespec="seconds") if best.datetime_complete else None,
         "versions": context.versions,
     }
+    if "category_speedups" in attrs:
+        measured["categories"] = {
+            name: {
+                "speedup": speedup,
+                "acceptance_rate": attrs["category_acceptance"][name],
+                "prompts": attrs["category_prompts"][name],
+            }
+            for name, speedup in attrs["category_speedups"].items()
+        }
+    if context.category_floor:
+        measured["category_floor"] = context.category_floor
     params = decode_params(best.params, context.strategy, context.num_layers)
     params["lookup_corpus"] = context.lookup_corpus_name  # beside the config, where `export` puts it
     return TunedProfile(context.strategy, params, measured)
@@ -140,7 +164,9 @@ def export_profile(storage_url: str, study_name: str, output_dir: str | Path) ->
         _copy_measured_file(context.lookup_corpus, context.lookup_corpus_digest, output_dir, "looks up in")
     output_dir.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, data)
-    return ExportResult(path, context.device_key, profile)
+    return ExportResult(
+        path, context.device_key, profile, tuple(trial.number for trial in infeasible_trials(study))
+    )
 
 
 def _copy_chosen_adapter(context: StudyContext, file_name: str, output_dir: Path) -> None:

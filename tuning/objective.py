@@ -2,17 +2,18 @@
 
 For every prompt the trial runs plain `generate` (`strategy="plain"`) and the candidate back to
 back, alternating which goes first, so drift in clock speed, thermal state or a neighbour's load
-hits both alike and cancels in the ratio sum(plain seconds) / sum(candidate seconds). Every
-candidate's tokens are compared with plain greedy decoding's: the strategies are lossless by
-design, so a difference is a bug, and the trial fails loudly instead of reporting a speed that
-was bought with wrong output.
+hits both alike and cancels in the ratio sum(plain seconds) / sum(candidate seconds), taken per
+category of the prompts; over several categories the trial's value is the geometric mean of
+those ratios (`categories`). Every candidate's tokens are compared with plain greedy decoding's:
+the strategies are lossless by design, so a difference is a bug, and the trial fails loudly
+instead of reporting a speed that was bought with wrong output.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -22,9 +23,9 @@ from hf_selfspec.consistency import NEAR_TIE, Consistency, check_greedy_consiste
 from hf_selfspec.measure import TimedRun, timed_generate
 from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import Prompt, encode_prompt
-from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import PLAIN
 
+from .categories import CategorySpeedups, alternating_order
 from .config import SearchConfig
 from .space import ADAPTER_PARAM, skip_ratio, suggest_params
 
@@ -44,6 +45,7 @@ class PreparedPrompt:
     reference_tokens: list[int]
     reference_logits: torch.Tensor
     plain_seconds: float  # that plain decode's time, prefill included
+    category: str | None = None
 
 
 def prepare_prompts(
@@ -59,47 +61,12 @@ def prepare_prompts(
     for prompt in prompts:
         inputs = encode_prompt(tokenizer, prompt)
         run = timed_generate(model, inputs, strategy=PLAIN, output_logits=True, **generate_kwargs)
-        prepared.append(PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.logits, run.seconds))
+        prepared.append(
+            PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.logits, run.seconds, prompt.category)
+        )
         tokens += len(run.new_tokens)
         seconds += run.seconds
     return prepared, tokens / seconds if seconds > 0 else 0.0
-
-
-@dataclass
-class _Totals:
-    baseline_seconds: float = 0.0
-    candidate_seconds: float = 0.0
-    tokens: int = 0
-    draft: StrategyStats = field(default_factory=StrategyStats)
-    prompts: int = 0
-    # prompts whose output left plain greedy's at a reduced-precision near-tie
-    near_tie_prompts: list[str] = field(default_factory=list)
-
-    def add(self, baseline: TimedRun, candidate: TimedRun) -> None:
-        self.baseline_seconds += baseline.seconds
-        self.candidate_seconds += candidate.seconds
-        self.tokens += len(candidate.new_tokens)
-        self.prompts += 1
-        if candidate.stats is not None:
-            self.draft.add(candidate.stats)
-
-    @property
-    def speedup(self) -> float:
-        return self.baseline_seconds / self.candidate_seconds if self.candidate_seconds > 0 else 0.0
-
-    def user_attrs(self) -> dict[str, Any]:
-        def per_second(seconds: float) -> float:
-            return self.tokens / seconds if seconds > 0 else 0.0
-
-        return {
-            "speedup": self.speedup,
-            "acceptance_rate": self.draft.acceptance_rate,
-            "mean_accepted_length": self.draft.mean_accepted_length,
-            "tokens_per_second": per_second(self.candidate_seconds),
-            "baseline_tokens_per_second": per_second(self.baseline_seconds),
-            "prompts_measured": self.prompts,
-            "near_tie_prompts": list(self.near_tie_prompts),
-        }
 
 
 def begin_trial(trial: optuna.Trial, search: SearchConfig, num_layers: int, worker: str) -> dict[str, Any]:
@@ -119,9 +86,11 @@ def begin_trial(trial: optuna.Trial, search: SearchConfig, num_layers: int, work
 class SpeedupObjective:
     """`study.optimize`'s objective: suggest a skip set and knobs, measure them, return the speedup.
 
-    Intermediate speedups are reported after every prompt, so the pruner can stop a hopeless
-    skip set after a prompt or two. A skip set that drops every layer entirely is pruned
-    before measuring: `generate` rejects it, and pruned trials teach the sampler to avoid it.
+    Intermediate speedups (over the categories measured so far) are reported after every
+    prompt, so the pruner can stop a hopeless skip set after a prompt or two. A skip set that
+    drops every layer entirely is pruned before measuring: `generate` rejects it, and pruned
+    trials teach the sampler to avoid it. With a `category_floor`, a complete trial whose
+    speedup in some category is below it is marked infeasible (`categories`).
     """
 
     def __init__(
@@ -132,6 +101,7 @@ class SpeedupObjective:
         num_layers: int,
         generate_kwargs: dict[str, Any],
         worker: str,
+        category_floor: float | None = None,
     ):
         self.model = model
         self.prompts = prompts
@@ -139,6 +109,8 @@ class SpeedupObjective:
         self.num_layers = num_layers
         self.generate_kwargs = generate_kwargs
         self.worker = worker
+        self.category_floor = category_floor
+        self.candidate_first = alternating_order([prompt.category for prompt in prompts])
 
     def __call__(self, trial: optuna.Trial) -> float:
         params = begin_trial(trial, self.search, self.num_layers, self.worker)
@@ -146,26 +118,29 @@ class SpeedupObjective:
             resolve_params(self.num_layers, params)
         except ValueError as error:
             raise optuna.TrialPruned(f"invalid skip set: {error}") from None
-        totals = _Totals()
-        for step, prompt in enumerate(self.prompts):
-            baseline, candidate = self._measure(prompt, params, candidate_first=step % 2 == 1)
-            totals.add(baseline, candidate)
+        totals = CategorySpeedups([prompt.category for prompt in self.prompts])
+        near_ties: list[str] = []  # prompts whose output left plain greedy's at a near-tie
+        trial.set_user_attr("near_tie_prompts", near_ties)
+        for step, (prompt, candidate_first) in enumerate(zip(self.prompts, self.candidate_first, strict=True)):
+            baseline, candidate = self._measure(prompt, params, candidate_first)
+            totals.add(prompt.category, baseline.seconds, candidate.seconds, len(candidate.new_tokens), candidate.stats)
             consistency = check_greedy_consistency(
                 candidate.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
             )
             if not consistency.consistent:
-                self._record(trial, totals)
+                totals.record(trial)
                 raise self._violation(trial, prompt, candidate.new_tokens, params, consistency)
             if consistency.verdict == NEAR_TIE:
-                totals.near_tie_prompts.append(prompt.id)
-            trial.report(totals.speedup, step)
+                near_ties.append(prompt.id)
+                trial.set_user_attr("near_tie_prompts", near_ties)
+            trial.report(totals.value, step)
             if trial.should_prune():
-                self._record(trial, totals)
+                totals.record(trial)
                 raise optuna.TrialPruned(
-                    f"pruned after {step + 1} of {len(self.prompts)} prompts at {totals.speedup:.2f}x"
+                    f"pruned after {step + 1} of {len(self.prompts)} prompts at {totals.value:.2f}x"
                 )
-        self._record(trial, totals)
-        return totals.speedup
+        totals.record(trial, self.category_floor)
+        return totals.value
 
     def _measure(
         self, prompt: PreparedPrompt, params: dict[str, Any], candidate_first: bool
@@ -183,11 +158,6 @@ class SpeedupObjective:
             return baseline(), candidate_run
         baseline_run = baseline()
         return baseline_run, candidate()
-
-    @staticmethod
-    def _record(trial: optuna.Trial, totals: _Totals) -> None:
-        for key, value in totals.user_attrs().items():
-            trial.set_user_attr(key, value)
 
     def _violation(
         self,

@@ -111,15 +111,19 @@ def model_label(model: ModelConfig) -> str:
     return f"{label}/{model.gguf_file}" if model.gguf_file else label
 
 
-def prompt_label(prompts: PromptConfig) -> str:
-    source = Path(prompts.source).stem
+def prompt_label(prompts: PromptConfig, n_prompts: int) -> str:
+    """`source[-split][@offset][-<per_category>each]-<n_prompts>x<max_new_tokens>`, with the
+    number of prompts the study selected."""
+    split = f"-{prompts.split}" if prompts.split else ""
     offset = f"@{prompts.offset}" if prompts.offset else ""
-    return f"{source}{offset}-{prompts.n_prompts}x{prompts.max_new_tokens}"
+    each = f"-{prompts.per_category}each" if prompts.per_category else ""
+    return f"{Path(prompts.source).stem}{split}{offset}{each}-{n_prompts}x{prompts.max_new_tokens}"
 
 
-def derive_study_name(config: StudyConfig, device_key: str) -> str:
+def derive_study_name(config: StudyConfig, device_key: str, n_prompts: int) -> str:
     """`model:strategy:device/dtype:prompts`, e.g.
-    `SmolLM2-135M-Instruct:self_speculative:cpu/float32:humaneval-8x64`.
+    `SmolLM2-135M-Instruct:self_speculative:cpu/float32:humaneval-8x64`, or
+    `...:workload-tune-2each-16x64` for two prompts of each workload category.
 
     Beyond model, device and dtype, the name holds the strategy and the prompt set, because
     speedups measured under different ones are not comparable: a quick run with
@@ -127,7 +131,7 @@ def derive_study_name(config: StudyConfig, device_key: str) -> str:
     same config resumes the same study. A lookup corpus adds its name (`...:lookup=own-code`):
     free proposals from it change every trial's speed.
     """
-    parts = [model_label(config.model), config.search.strategy, device_key, prompt_label(config.prompts)]
+    parts = [model_label(config.model), config.search.strategy, device_key, prompt_label(config.prompts, n_prompts)]
     if config.search.lookup_corpus:
         parts.append(f"lookup={Path(config.search.lookup_corpus).stem}")
     return config.study.name or ":".join(parts)
@@ -165,6 +169,11 @@ class StudyContext:
     # The lookup corpus every trial looked up in (where this worker keeps it) and its digest.
     lookup_corpus: str = ""
     lookup_corpus_digest: str = ""
+    # The split the prompts came from ("" for all) and how many of each category were taken (0: a slice).
+    prompt_split: str = ""
+    prompts_per_category: int = 0
+    # The floor every category's speedup had to reach for a trial to be feasible (0: none).
+    category_floor: float = 0.0
 
     # Fields that define the measurement; a resumed study must agree on every one of them. The
     # model's path is left out (workers on other machines keep it elsewhere); its depth is in.
@@ -177,6 +186,8 @@ class StudyContext:
         "prompt_source",
         "n_prompts",
         "prompt_offset",
+        "prompt_split",
+        "prompts_per_category",
         "max_new_tokens",
         "draft_adapter_names",
         "draft_adapter_digests",

@@ -25,11 +25,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from hf_selfspec.adapter import adapter_digest
 
 from . import TuningError
+from .categories import describe_categories, is_feasible
 from .config import StudyConfig, check_adapters_fit
-from .dashboard import best_trial, count_states, draft_figure, write_study_note
+from .dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
 from .estimate import EstimatedSpeedupObjective, calibrate, calibrate_loop, check_supported, teacher_force
 from .objective import LosslessViolation, SpeedupObjective, prepare_prompts
 from .space import warm_start_trials
+from .study_prompts import select_study_prompts
 from .storage import (
     StudyContext,
     create_or_load_study,
@@ -114,6 +116,7 @@ class _Progress:
             return (
                 f"trial {trial.number}: {trial.value:.2f}x, acceptance {attrs['acceptance_rate']:.0%}, "
                 + " ".join(draft_figure(attrs))
+                + ("" if is_feasible(trial) else f"; infeasible, {_below_floor(trial)}")
             )
         if trial.state == TrialState.PRUNED:
             steps = trial.intermediate_values
@@ -164,14 +167,13 @@ def run_tune(
     from hf_selfspec.layer_skip import decoder_layers
     from hf_selfspec.loading import load_model_and_tokenizer
     from hf_selfspec.profiles import device_profile_key
-    from hf_selfspec.prompts import load_prompts
     from hf_selfspec.strategies import available_strategies
 
     storage_url = resolve_storage_url(storage_url or config.study.storage)
     if config.search.strategy not in available_strategies():
         raise TuningError(f"strategy {config.search.strategy!r} is not available; have {available_strategies()}")
     try:
-        prompts = load_prompts(config.prompts.source, config.prompts.n_prompts, config.prompts.offset)
+        prompts = select_study_prompts(config.prompts)
     except ValueError as error:
         raise TuningError(str(error)) from None
     model, tokenizer = load_model_and_tokenizer(
@@ -186,7 +188,7 @@ def run_tune(
         device_key=device_key,
         strategy=config.search.strategy,
         num_layers=num_layers,
-        prompt_source=Path(config.prompts.source).name,  # `humaneval`, or the file's name
+        prompt_source=Path(config.prompts.source).name,  # `humaneval`, `workload`, or the file's name
         n_prompts=len(prompts),
         prompt_offset=config.prompts.offset,
         max_new_tokens=config.prompts.max_new_tokens,
@@ -196,6 +198,9 @@ def run_tune(
         draft_adapter_digests={name: adapter_digest(path) for name, path in config.search.draft_adapters.items()},
         lookup_corpus=config.search.lookup_corpus,
         lookup_corpus_digest=adapter_digest(config.search.lookup_corpus) if config.search.lookup_corpus else "",
+        prompt_split=config.prompts.split or "",
+        prompts_per_category=config.prompts.per_category or 0,
+        category_floor=config.study.category_floor or 0.0,
     )
     check_adapters_fit(config.search, model)
 
@@ -205,7 +210,7 @@ def run_tune(
             check_supported(model)
         except ValueError as error:
             raise TuningError(str(error)) from None
-    measured_name = derive_study_name(config, device_key)
+    measured_name = derive_study_name(config, device_key, len(prompts))
     storage = open_storage(storage_url, config.study.heartbeat_interval, config.study.grace_period)
     study, created = create_or_load_study(
         storage,
@@ -248,6 +253,7 @@ def run_tune(
             n_trials = 0
 
     this_run = {state: 0 for state in FINISHED}
+    floor = config.study.category_floor
     if n_trials > 0:
         if estimated:  # the cost model takes a minute to time: only for trials that will run
             print("Timing the forward passes for the cost model...", flush=True)
@@ -257,29 +263,30 @@ def run_tune(
             widest = max_draft * (1 + max_alternatives) + 1
             cost = calibrate(model, forced, num_layers, widest, config.search.draft_adapters.values())
             cost = calibrate_loop(model, cost, forced, generate_kwargs)
-            objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker)
+            objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker, floor)
         else:
-            objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker)
+            objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
         this_run = _optimize(
             study, objective, n_trials, timeout if timeout is not None else config.study.timeout, callbacks, show_progress
         )
     outcome = TuneOutcome(study, storage_url, this_run)
     if estimated and config.study.confirm_top:
-        measuring = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker)
+        measuring = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
         outcome.confirmed = _confirm(storage, measured_name, study, context, config, measuring, show_progress)
     return outcome
 
 
 def _confirm(storage, measured_name: str, estimated: optuna.Study, context: StudyContext, config: StudyConfig, measuring, show_progress: bool) -> optuna.Study:
-    """Measure the best estimated trials by real decoding, as trials of the measured study.
+    """Measure the best feasible estimated trials by real decoding, as trials of the measured study.
 
     Each is enqueued once (a trial with the same parameters already there is not repeated), and
-    remembers the estimate it came from, so the two can be compared side by side.
+    remembers the estimate it came from, so the two can be compared side by side. An estimate
+    below the category floor is not confirmed: the measurement would only find it below too.
     """
     measured, _ = create_or_load_study(storage, measured_name, _sampler(config, None), optuna.pruners.NopPruner())
     context.check_matches(measured)
     context.save(measured)
-    complete = estimated.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    complete = [t for t in estimated.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if is_feasible(t)]
     for trial in sorted(complete, key=lambda t: t.value, reverse=True)[: config.study.confirm_top]:
         measured.enqueue_trial(
             trial.params,
@@ -293,14 +300,35 @@ def _confirm(storage, measured_name: str, estimated: optuna.Study, context: Stud
     return measured
 
 
-def _best_rows(label: str, best: optuna.trial.FrozenTrial | None) -> list[str]:
+def _below_floor(trial: optuna.trial.FrozenTrial) -> str:
+    """`math 0.91x, qa 0.97x below the category floor`, for an infeasible trial."""
+    below = trial.user_attrs.get("below_category_floor") or {}
+    return ", ".join(f"{name} {speedup:.2f}x" for name, speedup in below.items()) + " below the category floor"
+
+
+def _best_rows(label: str, study: optuna.Study) -> list[str]:
+    best = best_trial(study)
     if best is None:
-        return [f"{label:<18}(no trial completed yet)"]
+        missing = "no trial met the category floor yet" if infeasible_trials(study) else "no trial completed yet"
+        return [f"{label:<18}({missing})"]
     verdict = "" if best.value > 1 else "  (no faster than plain decoding)"
+    categories = describe_categories(best.user_attrs)
     return [
         f"{label:<18}{best.value:.2f}x  (trial {best.number}){verdict}",
+        *([f"{'by category':<18}{categories}"] if categories else []),
         f"{'acceptance rate':<18}{best.user_attrs['acceptance_rate']:.0%}",
         "{:<18}{}".format(*draft_figure(best.user_attrs)),
+    ]
+
+
+def _infeasible_rows(study: optuna.Study) -> list[str]:
+    infeasible = infeasible_trials(study)
+    if not infeasible:
+        return []
+    return [
+        "",
+        f"Below the category floor in {study.study_name} (never taken as the best):",
+        *(f"  trial {trial.number}: {trial.value:.2f}x, {_below_floor(trial)}" for trial in infeasible),
     ]
 
 
@@ -309,16 +337,18 @@ def format_summary(outcome: TuneOutcome) -> str:
     in_study = count_states(study.get_trials(deepcopy=False))
     estimated = study.study_name.endswith(estimated_study_name(""))
     rows = [f"Study    {study.study_name}", f"Storage  {display_url(outcome.storage_url)}", ""]
-    rows += _best_rows("best estimate" if estimated else "best speedup", best_trial(study))
+    rows += _best_rows("best estimate" if estimated else "best speedup", study)
     rows += ["", f"{'trials':<12}{'this run':>10}{'study':>10}"]
     rows.append(f"{'ran':<12}{sum(outcome.this_run.values()):>10}{sum(in_study.values()):>10}")
     for state, label in ((TrialState.COMPLETE, "complete"), (TrialState.PRUNED, "pruned"), (TrialState.FAIL, "failed")):
         rows.append(f"{label:<12}{outcome.this_run.get(state, 0):>10}{in_study[state]:>10}")
+    rows += _infeasible_rows(study)
     if outcome.confirmed is not None:
         rows += ["", f"Measured by real decoding in {outcome.confirmed.study_name}:"]
         for trial in outcome.confirmed.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             estimate = trial.user_attrs.get("estimated_speedup")
             came_from = f" (estimated {estimate:.2f}x)" if estimate is not None else ""
             rows.append(f"  trial {trial.number}: {trial.value:.2f}x{came_from}")
-        rows += _best_rows("best measured", best_trial(outcome.confirmed))
+        rows += _best_rows("best measured", outcome.confirmed)
+        rows += _infeasible_rows(outcome.confirmed)
     return "\n".join(rows)

@@ -1,0 +1,156 @@
+"""A trial's speedup per category of its prompts, how the categories make one value, and the
+floor a study may require in every category.
+
+A workload mixes kinds of text on which one profile fares very differently: translation copies
+much of its prompt, conversation almost none. Summed seconds would let the categories with the
+longest decodes or the largest wins outvote the rest; the geometric mean of per-category
+speedups weighs every category alike and values the same relative gain anywhere, so a trial
+cannot pass off a loss on free text behind a win on copied text. With one category (or prompts
+that carry none) the geometric mean of that one speedup is the pooled ratio
+sum(plain seconds) / sum(candidate seconds), the value every study had before categories.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+
+from hf_selfspec.stats import StrategyStats
+
+# What a trial's value is, recorded on the trial and in the exported profile as `speedup_kind`.
+POOLED = "pooled"
+CATEGORY_GEOMETRIC_MEAN = "category_geometric_mean"
+# The name of the constraint a floor sets (Optuna: feasible when its value is at most 0).
+FLOOR_CONSTRAINT = "category_floor"
+# The name given to prompts without a category among prompts with one.
+UNCATEGORISED = "uncategorised"
+
+
+def geometric_mean(values: Iterable[float]) -> float:
+    """The geometric mean; 0.0 if any value is 0 (a category that never finished is no speedup)."""
+    values = list(values)
+    if not values:
+        raise ValueError("the geometric mean of no values is undefined")
+    if any(value <= 0 for value in values):
+        return 0.0
+    return math.exp(math.fsum(math.log(value) for value in values) / len(values))
+
+
+def alternating_order(categories: Sequence[str | None]) -> list[bool]:
+    """For each prompt, whether the candidate decodes before plain decoding.
+
+    Alternating by position alone would put every prompt of a category on the same side when the
+    prompts cycle through an even number of categories, and a category's speedup would carry the
+    cost of always going first. So the order alternates within each category, and neighbouring
+    categories start on opposite sides; with one category it alternates prompt by prompt.
+    """
+    ranks: dict[str | None, int] = {}
+    seen: dict[str | None, int] = {}
+    order = []
+    for category in categories:
+        rank = ranks.setdefault(category, len(ranks))
+        order.append((rank + seen.get(category, 0)) % 2 == 1)
+        seen[category] = seen.get(category, 0) + 1
+    return order
+
+
+@dataclass
+class SpeedupTotals:
+    """Plain and candidate seconds, and the candidate's tokens and draft counters, summed over prompts."""
+
+    baseline_seconds: float = 0.0
+    candidate_seconds: float = 0.0
+    tokens: int = 0
+    draft: StrategyStats = field(default_factory=StrategyStats)
+    prompts: int = 0
+
+    def add(self, baseline_seconds: float, candidate_seconds: float, tokens: int, stats: StrategyStats | None) -> None:
+        self.baseline_seconds += baseline_seconds
+        self.candidate_seconds += candidate_seconds
+        self.tokens += tokens
+        self.prompts += 1
+        if stats is not None:
+            self.draft.add(stats)
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_seconds / self.candidate_seconds if self.candidate_seconds > 0 else 0.0
+
+    def per_second(self, seconds: float) -> float:
+        return self.tokens / seconds if seconds > 0 else 0.0
+
+
+class CategorySpeedups:
+    """A trial's seconds and draft counters, overall and per category, as its prompts are decoded."""
+
+    def __init__(self, categories: Sequence[str | None]):
+        """`categories`: those of every prompt the trial will decode, which fix the trial's kind
+        of value before any is measured."""
+        self.kind = CATEGORY_GEOMETRIC_MEAN if len(set(categories)) > 1 else POOLED
+        self.overall = SpeedupTotals()
+        self.totals: dict[str, SpeedupTotals] = {}
+
+    def add(
+        self,
+        category: str | None,
+        baseline_seconds: float,
+        candidate_seconds: float,
+        tokens: int,
+        stats: StrategyStats | None,
+    ) -> None:
+        for totals in (self.overall, self.totals.setdefault(category or UNCATEGORISED, SpeedupTotals())):
+            totals.add(baseline_seconds, candidate_seconds, tokens, stats)
+
+    @property
+    def value(self) -> float:
+        """The geometric mean of the speedups of the categories measured so far (the pruner's
+        intermediate value, and the trial's value once all are)."""
+        return geometric_mean(totals.speedup for totals in self.totals.values()) if self.totals else 0.0
+
+    def below(self, floor: float) -> dict[str, float]:
+        """The categories whose speedup is under `floor`, with their speedups."""
+        return {name: totals.speedup for name, totals in self.totals.items() if totals.speedup < floor}
+
+    def user_attrs(self) -> dict[str, Any]:
+        draft = self.overall.draft
+        attrs: dict[str, Any] = {
+            "speedup": self.value,
+            "speedup_kind": self.kind,
+            "acceptance_rate": draft.acceptance_rate,
+            "mean_accepted_length": draft.mean_accepted_length,
+            "tokens_per_second": self.overall.per_second(self.overall.candidate_seconds),
+            "baseline_tokens_per_second": self.overall.per_second(self.overall.baseline_seconds),
+            "prompts_measured": self.overall.prompts,
+        }
+        if self.kind == CATEGORY_GEOMETRIC_MEAN:
+            attrs["category_speedups"] = {name: totals.speedup for name, totals in self.totals.items()}
+            attrs["category_acceptance"] = {name: totals.draft.acceptance_rate for name, totals in self.totals.items()}
+            attrs["category_prompts"] = {name: totals.prompts for name, totals in self.totals.items()}
+        return attrs
+
+    def record(self, trial: optuna.Trial, floor: float | None = None) -> None:
+        """Record the figures on the trial and, with a floor, whether it is feasible: the
+        constraint is how far the worst category falls short of the floor (at most 0 where none
+        does), which Optuna's TPE sampler reads to steer away from infeasible regions. Only for
+        a trial that decoded all its prompts: one cut short has not measured every category."""
+        attrs = self.user_attrs()
+        if floor is not None and self.totals:
+            attrs["below_category_floor"] = self.below(floor)
+            trial.set_constraint(FLOOR_CONSTRAINT, floor - min(t.speedup for t in self.totals.values()))
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+
+
+def is_feasible(trial: optuna.trial.FrozenTrial) -> bool:
+    """Optuna's rule: every constraint at most 0; a trial without constraints is feasible."""
+    return all(value <= 0 for value in trial.constraints.values())
+
+
+def describe_categories(attrs: dict[str, Any]) -> str:
+    """`conversation 1.05x, translation 2.40x, ...` from a trial's user attributes, or ''."""
+    speedups = attrs.get("category_speedups") or {}
+    return ", ".join(f"{name} {speedup:.2f}x" for name, speedup in speedups.items())
