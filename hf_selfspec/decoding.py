@@ -51,7 +51,7 @@ def speculative_decode(
     selector: TokenSelector,
     stopping_criteria: StoppingCriteriaList,
     max_length: int,
-    max_draft_tokens: int,
+    max_proposal_tokens: int,
     stats: StrategyStats,
     streamer=None,
     keep_scores: bool = False,
@@ -76,7 +76,7 @@ def speculative_decode(
         started = time.perf_counter()
         draft = Draft()
         room = max_length - state.length
-        limit = min(max_draft_tokens, room - 1)
+        limit = min(max_proposal_tokens, room - 1)
         if limit > 0 and parts.backoff.should_speculate():
             if is_prefill:
                 draft = parts.drafter.propose_free(state, limit)
@@ -122,9 +122,8 @@ def speculative_decode(
             parts.drafter.keep_alternative(source_row, target_row)
         cache.rollback(kv_length)
         parts.drafter.rollback(kv_length)
-        _adapt(parts, verdict, drafted)
-        if not is_prefill:  # a prefill's time says nothing about a step's
-            parts.backoff.record(drafted, committed, verified - started)
+        # a prefill's time says nothing about a step's
+        _adapt(parts, draft, verdict, committed, None if is_prefill else verified - started)
         if drafted or not is_prefill:
             _count(stats, verdict, drafted)
 
@@ -150,12 +149,16 @@ def _commit(
     return len(verdict.tokens), False
 
 
-def _adapt(parts: SpeculationParts, verdict: Verdict, drafted: int) -> None:
-    if drafted:
-        parts.exit_policy.update(verdict.accepted, drafted)
+def _adapt(parts: SpeculationParts, draft: Draft, verdict: Verdict, committed: int, seconds: float | None) -> None:
+    """Feed the step's outcome to every part that learns from it."""
+    if draft.tokens:
+        parts.exit_policy.update(verdict.accepted, len(draft.tokens))
+        parts.drafter.record(draft, verdict.accepted, committed, seconds)
     if parts.gate.needs_confidence:
         probabilities = torch.softmax(verdict.scores[-1], dim=-1)
         parts.gate.update(float(probabilities[verdict.tokens[-1]]))
+    if seconds is not None:
+        parts.backoff.record(len(draft.tokens), committed, seconds)
 
 
 def _count(stats: StrategyStats, verdict: Verdict, drafted: int) -> None:

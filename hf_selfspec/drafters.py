@@ -19,8 +19,13 @@ from .adapter import DraftAdapter
 from .cache import DraftAwareCache, cache_keyword
 from .layer_skip import LayerSkipper, decoder_layers
 from .lookup_corpus import LookupCorpus
-from .policies import ExitPolicy
+from .policies import DraftSourceChoice, ExitPolicy, LookupLength
 from .selection import TokenSelector
+
+
+# Who proposed a draft: the model (a skip set, an adapter, an assistant) or prompt lookup.
+MODEL_SOURCE = "model"
+LOOKUP_SOURCE = "lookup"
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Draft:
     # Per token, the draft's runner-up tokens there, verified beside the chain (`alternatives.py`);
     # empty where the drafter offers none.
     alternatives: list[list[int]] = field(default_factory=list)
+    source: str = MODEL_SOURCE
 
 
 @dataclass
@@ -58,6 +64,11 @@ class Drafter:
 
     def rollback(self, committed_kv_length: int) -> None:
         """Forget draft state past the KV the verifier kept; the shared cache needs nothing."""
+
+    def record(self, draft: Draft, accepted: int, committed: int, seconds: float | None) -> None:
+        """After each verification of a non-empty `draft`: how many of its tokens the verifier
+        accepted, how many tokens the step committed, and what drafting and verifying took
+        (None for the prompt's prefill, whose forward pass says nothing of a step's cost)."""
 
     def keep_alternative(self, source_row: int, target_row: int) -> None:
         """The verifier accepted an alternative: what the last verification computed at its row
@@ -342,31 +353,50 @@ def lookup_proposal(
 class PromptLookupDrafter(Drafter):
     """Copy the continuation of the earliest occurrence of the current n-gram, else what the
     model itself wrote after it elsewhere (a lookup corpus, if given), else fall back to another
-    drafter.
+    drafter, whose drafts stay within `max_draft_tokens`.
 
     Code and edits repeat their own context (names, signatures, docstrings), so a matching
     n-gram often predicts several tokens at no model cost; where nothing matches, the model-based
-    fallback still proposes.
+    fallback still proposes. How much of the match is proposed is `length`'s to decide, and
+    where both could propose, `sources` picks which one does; both learn from every verification.
     """
 
     def __init__(
-        self, fallback: Drafter, min_ngram: int, max_ngram: int, max_lookup_tokens: int, corpus: LookupCorpus | None = None
+        self,
+        fallback: Drafter,
+        min_ngram: int,
+        max_ngram: int,
+        length: LookupLength,
+        max_draft_tokens: int,
+        sources: DraftSourceChoice,
+        corpus: LookupCorpus | None = None,
     ):
-        self.fallback, self.max_lookup_tokens, self.corpus = fallback, max_lookup_tokens, corpus
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.fallback, self.length, self.sources, self.corpus = fallback, length, sources, corpus
+        self.min_ngram, self.max_ngram, self.max_draft_tokens = min_ngram, max_ngram, max_draft_tokens
 
     def propose_free(self, state, max_tokens):
         tokens = lookup_proposal(
-            state.sequence[0, : state.length], self.min_ngram, self.max_ngram, min(max_tokens, self.max_lookup_tokens),
+            state.sequence[0, : state.length], self.min_ngram, self.max_ngram, min(max_tokens, self.length.tokens),
             self.corpus,
         )
         if tokens:
             state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
-        return Draft(tokens=tokens)
+        return Draft(tokens=tokens, source=LOOKUP_SOURCE)
 
     def propose(self, state, max_tokens, exit_policy, selector):
         draft = self.propose_free(state, max_tokens)
-        return draft if draft.tokens else self.fallback.propose(state, max_tokens, exit_policy, selector)
+        if draft.tokens and self.sources.lookup_first():
+            return draft
+        return self.fallback.propose(state, min(max_tokens, self.max_draft_tokens), exit_policy, selector)
+
+    def record(self, draft: Draft, accepted: int, committed: int, seconds: float | None) -> None:
+        from_lookup = draft.source == LOOKUP_SOURCE
+        if from_lookup:
+            self.length.update(len(draft.tokens), accepted)
+        else:
+            self.fallback.record(draft, accepted, committed, seconds)
+        if seconds is not None:
+            self.sources.record(from_lookup, committed, seconds)
 
     def continue_from(self, state: DecodingState, cached_length: int) -> None:
         self.fallback.continue_from(state, cached_length)

@@ -251,7 +251,7 @@ class SelfSpecMixin(GenerationMixin):
                     TokenSelector(logits_processor, generation_config.do_sample),
                     stopping_criteria,
                     max_length=generation_config.max_length,
-                    max_draft_tokens=plan.params.max_draft_tokens,
+                    max_proposal_tokens=plan.params.max_proposal_tokens,
                     stats=StrategyStats(strategy=plan.strategy.name),
                     streamer=streamer,
                     keep_scores=keep_scores,

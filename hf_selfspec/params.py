@@ -34,6 +34,15 @@ class SelfSpecParams:
     # A lone matching token predicts little (on this project's CPU a rejected lookup costs most
     # of a forward pass), so by default a lookup needs at least two tokens of context to match.
     prompt_lookup_min_ngram: int = 2
+    # The longest a lookup proposal may grow within a request (see `AdaptiveLookupLength`), which
+    # then starts at `prompt_lookup_tokens` and, unlike a fixed length, is not capped by
+    # `max_draft_tokens` (that caps the model's draft). 0: every lookup proposes a fixed
+    # `prompt_lookup_tokens`.
+    prompt_lookup_max_tokens: int = 0
+    # Where both a lookup proposal and the model's draft are on offer, verify whichever has
+    # committed tokens more cheaply so far in the request, probing the other every this many
+    # steps (see `CheaperDraftSource`). 0: a lookup proposal always goes first.
+    draft_source_probe_interval: int = 0
     draft_vocab_size: int = 0
     # Runner-up tokens of the draft verified beside each drafted token, in the same forward pass
     # (see `alternatives.py`).
@@ -50,6 +59,13 @@ class SelfSpecParams:
     # A lookup corpus's file (see `hf_selfspec.lookup_corpus`): text the model wrote itself, where
     # prompt lookup looks next when the current text has no match. Resolved like `draft_adapter`.
     lookup_corpus: str = ""
+
+    @property
+    def max_proposal_tokens(self) -> int:
+        """The most tokens one step may propose: the model's draft's bound, or an adaptive
+        lookup's if that reaches further."""
+        lookup = self.prompt_lookup_max_tokens if self.prompt_lookup_tokens else 0
+        return max(self.max_draft_tokens, lookup)
 
     def as_dict(self) -> dict[str, Any]:
         values = asdict(self)
@@ -76,6 +92,8 @@ _COUNT_KEYS = {
     "prompt_lookup_tokens": 0,
     "prompt_lookup_ngram": 1,
     "prompt_lookup_min_ngram": 1,
+    "prompt_lookup_max_tokens": 0,
+    "draft_source_probe_interval": 0,
     "draft_vocab_size": 0,
     "draft_alternatives": 0,
     "backoff_probe_interval": 0,
@@ -151,6 +169,11 @@ def resolve_params(
         raise ValueError(
             f"prompt_lookup_min_ngram ({params.prompt_lookup_min_ngram}) must not exceed "
             f"prompt_lookup_ngram ({params.prompt_lookup_ngram})"
+        )
+    if 0 < params.prompt_lookup_max_tokens < params.prompt_lookup_tokens:
+        raise ValueError(
+            f"prompt_lookup_max_tokens ({params.prompt_lookup_max_tokens}) must be 0 (a fixed lookup length) "
+            f"or at least prompt_lookup_tokens ({params.prompt_lookup_tokens})"
         )
     if params.lookup_corpus and not params.prompt_lookup_tokens:
         raise ValueError("lookup_corpus extends prompt lookup and needs prompt_lookup_tokens > 0")

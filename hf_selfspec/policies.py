@@ -1,5 +1,6 @@
-"""When to stop drafting (exit policies), whether the model drafts (gates), and whether to
-speculate at all (back-offs).
+"""When to stop drafting (exit policies), whether the model drafts (gates), whether to
+speculate at all (back-offs), how long a lookup proposal is (lookup lengths), and whether a
+lookup proposal or the model's draft is verified (draft source choices).
 
 All are tiny state machines fed by the decoding loop after every step, so a strategy changes
 behaviour by choosing which ones to compose, never by copying the loop.
@@ -131,6 +132,57 @@ class _Throughput:
         self.steps_since_run = 0
 
 
+class _CheaperOfTwo:
+    """Which of two ways of taking a step commits tokens more cheaply, measured as it goes.
+
+    The favoured way runs its first `first_favoured_steps` steps, then the other once, and from
+    then on whichever costs fewer seconds per committed token runs, the loser probed now and
+    then; `ThroughputBackoff` says why each rule is as it is.
+    """
+
+    _MAX_PROBE_INTERVAL = 64
+    _SMOOTHING = 0.8
+    _PROBE_BUDGET = 0.02  # the share of the winner's throughput that probing may cost
+
+    def __init__(self, probe_interval: int, first_favoured_steps: int):
+        self.base_interval = self.interval = probe_interval
+        self.first_favoured_steps = first_favoured_steps
+        self.favoured, self.other = _Throughput(), _Throughput()
+
+    def _compared(self) -> bool:
+        return self.favoured.measured and self.other.measured
+
+    def _favoured_wins(self) -> bool:
+        return self.favoured.seconds_per_token <= self.other.seconds_per_token
+
+    def favoured_runs(self) -> bool:
+        """Whether the next step should take the favoured way; changes nothing."""
+        if self.favoured.steps < self.first_favoured_steps:  # measure before choosing
+            return True
+        if not self.other.measured:
+            return False
+        wins = self._favoured_wins()
+        loser, winner = (self.other, self.favoured) if wins else (self.favoured, self.other)
+        wait = self.interval
+        if winner.seconds > 0:  # a winner priced at nothing (a replay can be) leaves the loser hopeless
+            margin = loser.seconds_per_token / winner.seconds_per_token - 1
+            wait = min(wait, max(1, math.ceil(margin / self._PROBE_BUDGET)))
+        return wins != (loser.steps_since_run >= wait)
+
+    def record(self, favoured_ran: bool, committed: int, seconds: float) -> None:
+        ran, idle = (self.favoured, self.other) if favoured_ran else (self.other, self.favoured)
+        compared = self._compared()
+        wins_before = compared and self._favoured_wins()
+        ran.add(committed, seconds, self._SMOOTHING)
+        idle.steps_since_run += 1
+        if not compared:
+            return
+        if self._favoured_wins() != wins_before:
+            self.interval = self.base_interval
+        elif favoured_ran != wins_before:  # a probe confirmed the loser
+            self.interval = min(2 * self.interval, self._MAX_PROBE_INTERVAL)
+
+
 class ThroughputBackoff(Backoff):
     """Decode plainly while speculating commits tokens more slowly than plain steps do.
 
@@ -166,43 +218,82 @@ class ThroughputBackoff(Backoff):
     Lossless either way: it only decides whether to propose.
     """
 
-    _MAX_PROBE_INTERVAL = 64
-    _SMOOTHING = 0.8
-    _PROBE_BUDGET = 0.02  # the share of the winner's throughput that probing may cost
     _FIRST_SPECULATIVE_STEPS = 8
 
     def __init__(self, probe_interval: int):
-        self.base_interval = self.interval = probe_interval
-        self.speculative, self.plain = _Throughput(), _Throughput()
-
-    def _compared(self) -> bool:
-        return self.speculative.measured and self.plain.measured
-
-    def _speculation_wins(self) -> bool:
-        return self.speculative.seconds_per_token <= self.plain.seconds_per_token
+        self.modes = _CheaperOfTwo(probe_interval, self._FIRST_SPECULATIVE_STEPS)
 
     def should_speculate(self) -> bool:
-        if self.speculative.steps < self._FIRST_SPECULATIVE_STEPS:  # measure before choosing
-            return True
-        if not self.plain.measured:
-            return False
-        wins = self._speculation_wins()
-        loser, winner = (self.plain, self.speculative) if wins else (self.speculative, self.plain)
-        wait = self.interval
-        if winner.seconds > 0:  # a winner priced at nothing (a replay can be) leaves the loser hopeless
-            margin = loser.seconds_per_token / winner.seconds_per_token - 1
-            wait = min(wait, max(1, math.ceil(margin / self._PROBE_BUDGET)))
-        return wins != (loser.steps_since_run >= wait)
+        return self.modes.favoured_runs()
 
     def record(self, drafted: int, committed: int, seconds: float) -> None:
-        ran, idle = (self.speculative, self.plain) if drafted else (self.plain, self.speculative)
-        compared = self._compared()
-        wins_before = compared and self._speculation_wins()
-        ran.add(committed, seconds, self._SMOOTHING)
-        idle.steps_since_run += 1
-        if not compared:
-            return
-        if self._speculation_wins() != wins_before:
-            self.interval = self.base_interval
-        elif bool(drafted) != wins_before:  # a probe confirmed the loser
-            self.interval = min(2 * self.interval, self._MAX_PROBE_INTERVAL)
+        self.modes.record(bool(drafted), committed, seconds)
+
+
+class LookupLength:
+    """A fixed lookup length: every lookup proposes up to `tokens` tokens."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Called after each verification of a lookup proposal of `proposed` tokens."""
+
+
+class AdaptiveLookupLength(LookupLength):
+    """The lookup length follows how far the text has been copying in this request.
+
+    A proposal taken whole doubles the length, up to `max_tokens`; one cut short halves the
+    distance to what was accepted (never below one token). Copying runs long and ends abruptly:
+    a translation or a quoted passage goes on for dozens of tokens, so the length must reach
+    a long proposal within a few steps, where transformers' schedule (+2 per whole acceptance)
+    spends most of a copied stretch getting there. A cut is often one changed word inside a
+    copied stretch that resumes right after, so a single cut only halves the way down rather
+    than dropping to the accepted count; on free text, where cuts come at the first token, a
+    few of them bring the length down to one. One token is the floor: its verification costs
+    barely more than a plain step, and it keeps the lookup watching for the next copied stretch.
+    The length only decides how much of the match is proposed, so decoding stays lossless.
+    """
+
+    def __init__(self, tokens: int, max_tokens: int):
+        super().__init__(tokens)
+        self.max_tokens = max_tokens
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if accepted >= proposed:
+            self.tokens = min(2 * self.tokens, self.max_tokens)
+        else:
+            self.tokens = max(1, (self.tokens + accepted) // 2)
+
+
+class DraftSourceChoice:
+    """Lookup first: wherever prompt lookup has a proposal, it is verified, not the model's draft."""
+
+    def lookup_first(self) -> bool:
+        """Asked only where lookup has a proposal and the model may draft; changes nothing."""
+        return True
+
+    def record(self, lookup: bool, committed: int, seconds: float) -> None:
+        """Called after every verified proposal but the prefill's: whether lookup proposed it
+        (else the model drafted), how many tokens it committed, and what drafting and
+        verifying took."""
+
+
+class CheaperDraftSource(_CheaperOfTwo, DraftSourceChoice):
+    """Verify whichever source has committed tokens more cheaply so far in this request.
+
+    A lookup proposal costs no forward pass, so lookup goes first until both sources are
+    measured, as it always did. But on free text a lookup matches by chance and is cut at once,
+    while the model's own draft, which costs a few shallow passes, keeps being accepted; and on
+    copied text the reverse holds. Seconds per committed token weigh a source's acceptance
+    against what its drafting costs on this machine, with no threshold to tune per machine. The
+    losing source is probed as `ThroughputBackoff` probes plain decoding, since the text changes
+    character within a request. Lossless either way: it only decides which proposal is verified.
+    """
+
+    _FIRST_LOOKUP_STEPS = 8
+
+    def __init__(self, probe_interval: int):
+        super().__init__(probe_interval, self._FIRST_LOOKUP_STEPS)
+
+    lookup_first = _CheaperOfTwo.favoured_runs  # lookup is the favoured source; `record` is the two-way one's

@@ -21,9 +21,20 @@ from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import LayerSkipper
-from .lookup_corpus import load_lookup_corpus
+from .lookup_corpus import LookupCorpus, load_lookup_corpus
 from .params import SelfSpecParams
-from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
+from .policies import (
+    AdaptiveExitPolicy,
+    AdaptiveLookupLength,
+    Backoff,
+    CheaperDraftSource,
+    DraftSourceChoice,
+    ExitPolicy,
+    Gate,
+    LookupLength,
+    TargetConfidenceGate,
+    ThroughputBackoff,
+)
 
 PLAIN = "plain"  # `strategy="plain"`: decode with transformers alone, even if a tuned profile exists
 
@@ -48,6 +59,31 @@ class Strategy:
             return ThroughputBackoff(params.backoff_probe_interval)
         return Backoff()
 
+    def build_lookup_length(self, params: SelfSpecParams) -> LookupLength:
+        if params.prompt_lookup_max_tokens:
+            return AdaptiveLookupLength(params.prompt_lookup_tokens, params.prompt_lookup_max_tokens)
+        return LookupLength(params.prompt_lookup_tokens)
+
+    def build_draft_source_choice(self, params: SelfSpecParams) -> DraftSourceChoice:
+        if params.draft_source_probe_interval:
+            return CheaperDraftSource(params.draft_source_probe_interval)
+        return DraftSourceChoice()
+
+    def with_prompt_lookup(self, drafter: Drafter, params: SelfSpecParams, corpus: LookupCorpus | None) -> Drafter:
+        """`drafter` behind prompt lookup, if the parameters ask for lookup; the tuner's replay
+        wraps its predicted draft the same way."""
+        if not params.prompt_lookup_tokens:
+            return drafter
+        return PromptLookupDrafter(
+            drafter,
+            params.prompt_lookup_min_ngram,
+            params.prompt_lookup_ngram,
+            self.build_lookup_length(params),
+            params.max_draft_tokens,
+            self.build_draft_source_choice(params),
+            corpus,
+        )
+
     def build_drafter(
         self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None
     ) -> Drafter:
@@ -67,12 +103,8 @@ class Strategy:
         else:
             skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
             drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size, params.draft_alternatives)
-        if params.prompt_lookup_tokens:
-            corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
-            drafter = PromptLookupDrafter(
-                drafter, params.prompt_lookup_min_ngram, params.prompt_lookup_ngram, params.prompt_lookup_tokens, corpus
-            )
-        return drafter
+        corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
+        return self.with_prompt_lookup(drafter, params, corpus)
 
     def build(
         self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None = None

@@ -261,3 +261,18 @@ def test_gate_over_assistant_model_matches_plain(assistant_architecture):
                 assert output.strategy_stats.drafted_tokens > 0
             if threshold == 1.0:
                 assert output.strategy_stats.drafted_tokens == 0
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_adaptive_lookup_and_draft_source_choice_match_plain_greedy(architecture):
+    """The lookup length adapting within the request, past the model draft's own bound, and the
+    choice between a lookup proposal and the model's draft (probed every other step, so both
+    sources run) only change what is proposed: the tokens are plain greedy's."""
+    for sharpness in (None, 0.3):
+        model = tiny_model(architecture, initializer_range=sharpness)
+        for prompt in _prompts(model.config.vocab_size):
+            _assert_same_greedy(
+                model, prompt, strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
+                max_draft_tokens=3, draft_exit_threshold=0.0, prompt_lookup_tokens=2, prompt_lookup_min_ngram=1,
+                prompt_lookup_max_tokens=16, draft_source_probe_interval=2,
+            )

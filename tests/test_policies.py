@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_selfspec
 from hf_selfspec import AdaptiveExitPolicy, ExitPolicy, TargetConfidenceGate, ThroughputBackoff
@@ -215,3 +217,160 @@ def test_a_backoff_that_refuses_leaves_only_plain_steps_and_the_same_tokens():
                             prompt_lookup_tokens=4, return_dict_in_generate=True)
     assert output.sequences.tolist() == plain.tolist()
     assert output.strategy_stats.drafted_tokens == 0 and output.strategy_stats.plain_steps == 19
+
+
+def test_adaptive_lookup_length_grows_on_whole_acceptances_and_shrinks_on_cuts_within_bounds():
+    from hf_selfspec.policies import AdaptiveLookupLength
+
+    length = AdaptiveLookupLength(tokens=3, max_tokens=20)
+    # (proposed, accepted) -> the next length: doubled on a whole acceptance (capped at 20),
+    # halfway down to the accepted count on a cut (floored at 1)
+    script = [((3, 3), 6), ((6, 6), 12), ((12, 12), 20), ((20, 20), 20), ((20, 7), 13), ((13, 0), 6),
+              ((6, 0), 3), ((3, 0), 1), ((1, 0), 1), ((1, 1), 2), ((2, 2), 4)]  # fmt: skip
+    for (proposed, accepted), expected in script:
+        length.update(proposed, accepted)
+        assert length.tokens == expected, (proposed, accepted)
+    # A proposal the text cut short (its match ran into the end of the text) and taken whole still grows it.
+    length.update(2, 2)
+    assert length.tokens == 8
+
+
+def test_a_fixed_lookup_length_never_moves():
+    from hf_selfspec.policies import LookupLength
+
+    length = LookupLength(5)
+    for proposed, accepted in ((5, 5), (5, 0)):
+        length.update(proposed, accepted)
+        assert length.tokens == 5
+
+
+def _choose_sources(choice, steps: int, lookup_cost: float, model_cost: float) -> list[bool]:
+    """Feed `steps` choices between a lookup proposal and the model's draft; each commits one
+    token per step in the given seconds."""
+    decisions = []
+    for _ in range(steps):
+        lookup = choice.lookup_first()
+        decisions.append(lookup)
+        choice.record(lookup, 1, lookup_cost if lookup else model_cost)
+    return decisions
+
+
+def test_draft_source_choice_goes_lookup_first_then_to_the_cheaper_source_and_probes_the_other():
+    from hf_selfspec.policies import CheaperDraftSource, DraftSourceChoice
+
+    assert all(_choose_sources(DraftSourceChoice(), 30, lookup_cost=5.0, model_cost=1.0))  # today's rule
+    first = CheaperDraftSource._FIRST_LOOKUP_STEPS
+    choice = CheaperDraftSource(probe_interval=4)
+    # Lookup is cut at every step (2 s a token), the model's draft pays (1 s a token).
+    decisions = _choose_sources(choice, first + 20, lookup_cost=2.0, model_cost=1.0)
+    assert decisions[: first + 1] == [True] * first + [False]  # lookup measured first, then the model once
+    lookup_probes = [step - first for step, lookup in enumerate(decisions) if lookup][first:]
+    # the model wins; lookup is probed once idle 4 steps (the model's measuring step included), then 8
+    assert lookup_probes == [4, 13]
+    # The text turns to copying: a lookup proposal now commits 8 tokens, and the next probe finds it.
+    later = []
+    for _ in range(20):
+        lookup = choice.lookup_first()
+        later.append(lookup)
+        choice.record(lookup, 8 if lookup else 1, 2.0 if lookup else 1.0)
+    switched = later.index(True)
+    assert switched <= 16 and all(later[switched : switched + 4])
+
+
+def test_a_draft_source_measured_where_lookup_had_nothing_is_compared_without_a_probe():
+    from hf_selfspec.policies import CheaperDraftSource
+
+    first = CheaperDraftSource._FIRST_LOOKUP_STEPS
+    unmeasured = _choose_sources(CheaperDraftSource(probe_interval=16), first + 3, lookup_cost=1.0, model_cost=3.0)
+    assert unmeasured == [True] * first + [False, True, True]  # the model's draft is measured by a probe
+    choice = CheaperDraftSource(probe_interval=16)
+    choice.record(False, 1, 3.0)  # the model drafted where lookup found no match: already measured
+    assert all(_choose_sources(choice, first + 3, lookup_cost=1.0, model_cost=3.0))
+
+
+class _ScriptedDraft(hf_selfspec.drafters.Drafter):
+    """The model's draft, scripted: always `tokens`, recording the feedback it is given."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.feedback = tokens, []
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        return hf_selfspec.drafters.Draft(tokens=self.tokens[:max_tokens])
+
+    def record(self, draft, accepted, committed, seconds):
+        self.feedback.append((draft.tokens, accepted, committed, seconds))
+
+
+def test_lookup_drafter_learns_its_length_from_the_verifier_and_passes_the_model_its_feedback():
+    from hf_selfspec.drafters import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState, PromptLookupDrafter
+    from hf_selfspec.policies import AdaptiveLookupLength, DraftSourceChoice
+
+    model = _ScriptedDraft([90, 91, 92])
+    drafter = PromptLookupDrafter(model, 1, 1, AdaptiveLookupLength(2, 8), max_draft_tokens=2,
+                                  sources=DraftSourceChoice())
+    text = [7] + list(range(10, 30)) + [7]  # "7" recurs: lookup copies what followed it the first time
+    sequence = torch.zeros((1, 64), dtype=torch.long)
+    sequence[0, : len(text)] = torch.tensor(text)
+    state = DecodingState(sequence, torch.arange(64)[None], len(text))
+    proposed = []
+    for accepted_whole in (True, True, False, False):
+        draft = drafter.propose(state, 16, exit_policy=None, selector=None)
+        assert draft.source == LOOKUP_SOURCE and draft.tokens == list(range(10, 10 + len(draft.tokens)))
+        proposed.append(len(draft.tokens))
+        accepted = len(draft.tokens) if accepted_whole else 1
+        drafter.record(draft, accepted, accepted + 1, 0.5)
+    assert proposed == [2, 4, 8, 4]  # grown on whole acceptances, capped at 8, halved towards 1 on a cut
+    assert drafter.length.tokens == 2
+    # Where lookup has nothing, the model drafts within max_draft_tokens and hears its verdict.
+    state.length = 3  # "7 10 11": no earlier occurrence
+    draft = drafter.propose(state, 16, exit_policy=None, selector=None)
+    assert (draft.source, draft.tokens) == (MODEL_SOURCE, [90, 91])
+    drafter.record(draft, 1, 2, None)
+    assert model.feedback == [([90, 91], 1, 2, None)] and drafter.length.tokens == 2
+
+
+class _RecordingLength(hf_selfspec.policies.AdaptiveLookupLength):
+    lengths: list[int] = []
+
+    def update(self, proposed, accepted):
+        super().update(proposed, accepted)
+        self.lengths.append(self.tokens)
+
+
+class _ScriptedVerifier(LogitsProcessor):
+    """Make the model's next token the script's: copying the prompt in long stretches, with
+    fresh tokens between them that cut any lookup short."""
+
+    def __init__(self, prompt_length: int, script: list[int]):
+        self.prompt_length, self.script = prompt_length, script
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, self.script[input_ids.shape[1] - self.prompt_length]] = 0.0
+        return forced
+
+
+def test_an_adaptive_lookup_length_moves_both_ways_inside_generation_and_output_is_unchanged():
+    @hf_selfspec.register_strategy("test_recording_lookup_length")
+    class RecordingLookupLength(hf_selfspec.Strategy):
+        def build_lookup_length(self, params):
+            return _RecordingLength(params.prompt_lookup_tokens, params.prompt_lookup_max_tokens)
+
+    model = tiny_model("llama", initializer_range=0.3)
+    passage = list(range(20, 50))
+    prompt = torch.tensor([passage])
+    script = passage[:12] + [60, 61] + passage[5:25] + [62, 63, 64] + passage[:20]
+    kwargs = dict(max_new_tokens=len(script), do_sample=False,
+                  logits_processor=LogitsProcessorList([_ScriptedVerifier(prompt.shape[1], script)]))
+    plain = model.generate(prompt, strategy="plain", **kwargs)
+    assert plain[0, prompt.shape[1]:].tolist() == script
+    _RecordingLength.lengths = []
+    output = model.generate(prompt, strategy="test_recording_lookup_length", prompt_lookup_tokens=2,
+                            prompt_lookup_max_tokens=12, max_draft_tokens=3, backoff_probe_interval=0,
+                            return_dict_in_generate=True, **kwargs)
+    assert output.sequences.tolist() == plain.tolist()
+    lengths = [2] + _RecordingLength.lengths
+    assert any(b > a for a, b in zip(lengths, lengths[1:]))  # grew
+    assert any(b < a for a, b in zip(lengths, lengths[1:]))  # shrank
+    assert all(1 <= length <= 12 for length in lengths) and 12 in lengths
+    assert max(output.strategy_stats.accepted_lengths) > 3  # a lookup past the model draft's bound, taken

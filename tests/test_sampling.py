@@ -100,6 +100,9 @@ CASES = {
     # One-token matches (min n-gram 1) make lookup propose often even on short prompts.
     "prompt_lookup": dict(strategy="self_speculative", prompt_lookup_tokens=2, prompt_lookup_min_ngram=1,
                           draft_exit_threshold=0.0, **SKIP),
+    # The lookup length adapts: one token, two after a whole acceptance, back down after a cut.
+    "adaptive_lookup": dict(strategy="self_speculative", prompt_lookup_tokens=1, prompt_lookup_max_tokens=3,
+                            prompt_lookup_min_ngram=1, draft_exit_threshold=0.0, **SKIP),
     "lookup_behind_closed_gate": dict(strategy="target_confidence_gated", target_confidence_threshold=1.0,
                                       prompt_lookup_tokens=2, prompt_lookup_min_ngram=1, **SKIP),
     "restricted_draft_head": dict(strategy="self_speculative", draft_vocab_size=2, draft_exit_threshold=0.0, **SKIP),

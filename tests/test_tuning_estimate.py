@@ -51,10 +51,10 @@ def _sharp(architecture: str):
     return model
 
 
-def _prepared(model, length: int, seed: int) -> PreparedPrompt:
+def _prepared(model, length: int, seed: int, new_tokens: int = NEW_TOKENS) -> PreparedPrompt:
     # From id 3 up: no pad token, which transformers would mask in plain decoding's prompt.
     prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
-    plain = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain",
+    plain = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, strategy="plain",
                            return_dict_in_generate=True, output_logits=True)
     return PreparedPrompt(f"p{seed}", {"input_ids": prompt}, plain.sequences[0, length:].tolist(),
                           torch.cat(plain.logits), plain_seconds=1.0)
@@ -71,6 +71,8 @@ def _free(num_layers: int) -> CostModel:
         ("self_speculative", {"max_draft_tokens": 3, "draft_exit_threshold": 0.0}),
         ("adaptive_draft_exit", {"max_draft_tokens": 6, "draft_exit_threshold": 0.5}),
         ("target_confidence_gated", {"target_confidence_threshold": 0.6, "prompt_lookup_tokens": 4}),
+        ("self_speculative", {"max_draft_tokens": 3, "draft_exit_threshold": 0.0, "prompt_lookup_tokens": 2,
+                              "prompt_lookup_min_ngram": 1, "prompt_lookup_max_tokens": 12}),
     ],
 )
 def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, strategy, knobs):
@@ -140,6 +142,56 @@ def test_replay_counts_what_decoding_with_a_trained_adapter_does(
         rescued += real.accepted_alternatives
     assert 0 < accepted < drafted  # both acceptances and rejections were replayed
     assert (rescued > 0) == (draft_alternatives > 0)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma2"])
+def test_replay_adapts_the_lookup_length_as_decoding_does(tmp_path, architecture):
+    """One-token matches proposed at a length that grows while proposals are taken whole and
+    shrinks when they are cut, beside an adapter's draft that the verifier sometimes rejects:
+    the replay runs the decoding loop's own lookup drafter and length policy, so it matches a
+    real decode step for step, and the adaptation changes what is proposed."""
+    model = _sharp(architecture)
+    fixed = {
+        "draft_adapter": _random_adapter(model, 1, tmp_path), "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
+        "prompt_lookup_tokens": 2, "prompt_lookup_min_ngram": 1, "backoff_probe_interval": 0,
+    }  # fmt: skip
+    params = resolve_params(NUM_LAYERS, {**fixed, "prompt_lookup_max_tokens": 12})
+    changed = 0
+    for seed, length in enumerate((5, 11, 17)):
+        prompt = _prepared(model, length, seed)
+        data = teacher_force(model, prompt, NEW_TOKENS)
+        predicted = draft_predictions(model, data, params)
+        _, replayed = replay_decode(data, params, "kangaroo", predicted, _free(NUM_LAYERS))
+        real = model.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
+                              strategy="kangaroo", return_dict_in_generate=True, **params.as_dict()).strategy_stats
+        assert replayed.accepted_lengths == real.accepted_lengths, seed
+        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
+        _, at_fixed_length = replay_decode(
+            data, resolve_params(NUM_LAYERS, fixed), "kangaroo", predicted, _free(NUM_LAYERS)
+        )
+        changed += at_fixed_length.drafted_tokens != replayed.drafted_tokens
+    assert changed > 0
+
+
+def test_replay_chooses_the_cheaper_draft_source_by_its_priced_steps(sharp_llama):
+    """A full-model draft is always accepted and here costs nothing, while one-token lookups are
+    mostly cut: choosing by priced seconds per committed token, the replay turns to the model's
+    draft where lookup would have gone first, and commits the text in fewer, longer steps."""
+    knobs = {"attn_skip_layers": [], "mlp_skip_layers": [], "max_draft_tokens": 2, "draft_exit_threshold": 0.0,
+             "prompt_lookup_tokens": 2, "prompt_lookup_min_ngram": 1, "backoff_probe_interval": 0}  # fmt: skip
+    cost = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3, new_tokens=96), 96)
+
+    def replay(draft_source_probe_interval: int):
+        params = resolve_params(NUM_LAYERS, {**knobs, "draft_source_probe_interval": draft_source_probe_interval})
+        return replay_decode(data, params, "self_speculative", draft_predictions(sharp_llama, data, params), cost)
+
+    lookup_first_seconds, lookup_first = replay(0)
+    chosen_seconds, chosen = replay(4)
+    assert lookup_first.accepted_tokens < lookup_first.drafted_tokens  # lookups were cut
+    assert chosen.verification_steps < lookup_first.verification_steps
+    assert chosen.acceptance_rate > lookup_first.acceptance_rate
+    assert chosen_seconds < lookup_first_seconds
 
 
 def test_an_adapter_draft_is_priced_as_the_layers_below_its_exit_and_one_more_block(tmp_path):

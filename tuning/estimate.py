@@ -3,9 +3,9 @@
 Under greedy decoding the verifier's tokens are known once plain decoding has run, so whether a
 draft token is accepted depends only on whether the draft predicts that known continuation.
 One forward pass of the draft over the continuation yields every prediction at once; replaying
-the decoding loop's rules over them (prompt lookup first, the gate, the exit policy, the
-longest accepted prefix plus the verifier's own token) counts the forward passes a real decode
-would run, and a cost model timed once per process turns the counts into seconds. A trial then
+the decoding loop's rules over them (prompt lookup with its length and its choice against the
+draft, the gate, the exit policy, the longest accepted prefix plus the verifier's own token)
+counts the forward passes a real decode would run, and a cost model timed once per process turns the counts into seconds. A trial then
 costs one draft pass per prompt instead of two timed decodes, and its value carries no timing
 noise, which the sampler needs more than it needs the last few percent of accuracy.
 
@@ -39,12 +39,13 @@ from transformers import DynamicCache, LogitsProcessorList
 from hf_selfspec.adapter import DraftAdapter, load_adapter, read_adapter_shape
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import (
+    MODEL_SOURCE,
     DecodingState,
+    Draft,
     Drafter,
     LayerSkipDrafter,
     RestrictedDraftHead,
     ShallowExitDrafter,
-    lookup_proposal,
 )
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
@@ -471,6 +472,24 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     return DraftPredictions(guesses, ranked.values[:, 0].tolist(), [row[1:] for row in ranked_tokens], past_misses)
 
 
+class _PredictedDrafter(Drafter):
+    """The model's draft as the draft pass predicts it: what a real draft proposes after the
+    committed text, each token with its runner-ups, until the exit policy stops it."""
+
+    def __init__(self, predictions: DraftPredictions, prompt_length: int):
+        self.predictions, self.prompt_length = predictions, prompt_length
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        row = state.length - self.prompt_length - 1  # the newest committed continuation token's
+        draft = Draft()
+        for token, confidence in self.predictions.chain(row, max_tokens):
+            draft.tokens.append(token)
+            if confidence < exit_policy.threshold:
+                break
+        draft.alternatives = self.predictions.alternatives[row : row + len(draft.tokens)]
+        return draft
+
+
 def replay_decode(
     data: TeacherForcedPrompt,
     params: SelfSpecParams,
@@ -480,35 +499,31 @@ def replay_decode(
     corpus: LookupCorpus | None = None,
 ) -> tuple[float, StrategyStats]:
     """Replay `speculative_decode` over the known continuation: the estimated seconds and the
-    counters a real decode would report."""
+    counters a real decode would report. Prompt lookup, its length and the choice between its
+    proposal and the model's draft are the real drafter's, over the predicted draft."""
     builder = resolve_strategy(strategy)
     exit_policy, gate, backoff = builder.build_exit_policy(params), builder.build_gate(params), builder.build_backoff(params)
     reference, prompt_length = data.reference, data.prompt_length
+    drafter = builder.with_prompt_lookup(_PredictedDrafter(draft, prompt_length), params, corpus)
+    # The text a real decode has committed; the drafter writes its proposals past it.
+    sequence = data.full_text.new_zeros((1, prompt_length + data.max_new_tokens))
+    sequence[0, : data.full_text.shape[0]] = data.full_text
+    state = DecodingState(sequence, torch.arange(sequence.shape[1], device=sequence.device)[None], prompt_length)
     draft_token_seconds = cost.draft_token_seconds(params)
     stats = StrategyStats(strategy=strategy)
     seconds = 0.0
     committed = 0
     while committed < len(reference):
         is_prefill = committed == 0  # it verifies free proposals only, as the real loop's does
-        proposals: list[int] = []
-        model_drafted = 0
-        limit = min(params.max_draft_tokens, data.max_new_tokens - committed - 1)
+        proposal = Draft()
+        limit = min(params.max_proposal_tokens, data.max_new_tokens - committed - 1)
         if limit > 0 and backoff.should_speculate():
-            if params.prompt_lookup_tokens:
-                text = data.full_text[: prompt_length + committed]
-                proposals = lookup_proposal(
-                    text,
-                    params.prompt_lookup_min_ngram,
-                    params.prompt_lookup_ngram,
-                    min(limit, params.prompt_lookup_tokens),
-                    corpus,
-                )
-            if not proposals and not is_prefill and gate.should_draft():
-                for token, confidence in draft.chain(committed - 1, limit):
-                    proposals.append(token)
-                    model_drafted += 1
-                    if confidence < exit_policy.threshold:
-                        break
+            if is_prefill or not gate.should_draft():
+                proposal = drafter.propose_free(state, limit)
+            else:
+                proposal = drafter.propose(state, limit, exit_policy, None)
+        proposals = proposal.tokens
+        model_drafted = len(proposals) if proposal.source == MODEL_SOURCE else 0
         accepted = 0
         while (
             accepted < len(proposals)
@@ -517,7 +532,7 @@ def replay_decode(
         ):
             accepted += 1
         # Only the model's own proposals come with alternatives (not a lookup's).
-        alternatives = draft.alternatives[committed - 1 : committed - 1 + model_drafted]
+        alternatives = proposal.alternatives
         # A rejected proposal's alternative that is the verifier's token earns the verifier's next one.
         rescued = (
             accepted < len(alternatives)
@@ -532,11 +547,16 @@ def replay_decode(
             step_seconds = model_drafted * draft_token_seconds + cost.verify(verified)
         seconds += step_seconds + cost.loop_step_overhead
         step_committed = min(accepted + 1, len(reference) - committed)
+        # the verifier's tokens replace whatever the drafter wrote
+        sequence[0, state.length : state.length + step_committed] = data.full_text[
+            state.length : state.length + step_committed
+        ]
         committed += step_committed
-        if not is_prefill:
-            backoff.record(len(proposals), step_committed, step_seconds)
+        state.length += step_committed
+        timed_step = None if is_prefill else step_seconds
         if proposals:
             exit_policy.update(accepted, len(proposals))
+            drafter.record(proposal, accepted, step_committed, timed_step)
             stats.verification_steps += 1
             stats.drafted_tokens += len(proposals)
             stats.accepted_tokens += accepted
@@ -546,6 +566,8 @@ def replay_decode(
             stats.plain_steps += 1
         if gate.needs_confidence:
             gate.update(data.verifier_confidence[committed - 1])
+        if timed_step is not None:
+            backoff.record(len(proposals), step_committed, timed_step)
     return seconds, stats
 
 

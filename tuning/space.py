@@ -65,6 +65,11 @@ KNOBS: dict[str, Knob] = {
         # both must keep the first at most the second; see the config's checks).
         Knob("prompt_lookup_min_ngram", int, _fixed_at_default("prompt_lookup_min_ngram"), (1, None)),
         Knob("prompt_lookup_ngram", int, _fixed_at_default("prompt_lookup_ngram"), (1, None)),
+        # How far an adaptive lookup length may grow (0: a fixed length). A range for it must stay
+        # at or above prompt_lookup_tokens's, or trials that cross are invalid and pruned.
+        Knob("prompt_lookup_max_tokens", int, _fixed_at_default("prompt_lookup_max_tokens"), (0, None)),
+        # How often the loser of lookup and the model's draft is probed (0: lookup always first).
+        Knob("draft_source_probe_interval", int, _fixed_at_default("draft_source_probe_interval"), (0, None)),
         Knob("draft_vocab_size", int, _fixed_at_default("draft_vocab_size"), (0, None)),
         # Verifying the draft's runner-ups widens every verification: off unless a study asks.
         Knob("draft_alternatives", int, _fixed_at_default("draft_alternatives"), (0, None)),
@@ -79,6 +84,8 @@ _COMMON_KNOBS = (
     "prompt_lookup_tokens",
     "prompt_lookup_min_ngram",
     "prompt_lookup_ngram",
+    "prompt_lookup_max_tokens",
+    "draft_source_probe_interval",
     "draft_vocab_size",
     "draft_alternatives",
     "backoff_probe_interval",

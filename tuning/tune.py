@@ -260,7 +260,8 @@ def run_tune(
             forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
             max_draft = int(config.search.range_of("max_draft_tokens")[1])
             max_alternatives = int(config.search.range_of("draft_alternatives")[1])
-            widest = max_draft * (1 + max_alternatives) + 1
+            longest_lookup = int(config.search.range_of("prompt_lookup_max_tokens")[1])
+            widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
             cost = calibrate(model, forced, num_layers, widest, config.search.draft_adapters.values())
             cost = calibrate_loop(model, cost, forced, generate_kwargs)
             objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker, floor)
