@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -59,3 +61,19 @@ class StrategyStats:
             "verify_seconds": self.verify_seconds,
             "accepted_lengths": list(self.accepted_lengths),
         }
+
+
+def geometric_mean(values: Iterable[float]) -> float:
+    """The geometric mean of speedups: the workload's one figure over its categories, for the
+    bench and the tuner alike. Each category counts once however many prompts it has, and 2x on
+    one with 0.5x on another averages to 1x where the arithmetic mean would claim 1.25x. A speedup
+    of 0 (a category that never finished) makes it 0; a negative or non-finite one is an error."""
+    values = list(values)
+    if not values:
+        raise ValueError("the geometric mean of no values is undefined")
+    for value in values:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"a speedup must be a finite number >= 0, got {value}")
+    if any(value == 0 for value in values):
+        return 0.0
+    return math.exp(math.fsum(math.log(value) for value in values) / len(values))

@@ -14,7 +14,7 @@ from hf_selfspec.bench.benchmark import run_benchmark
 from hf_selfspec.bench.cli import prompt_source
 from hf_selfspec.bench.contenders import BASELINE, PLAIN, PROMPT_LOOKUP, Contender, build_contenders
 from hf_selfspec.bench.plots import plot_category_speedup
-from hf_selfspec.bench.report import diverged, geomean_over_categories, results_document
+from hf_selfspec.bench.report import diverged, results_document
 from hf_selfspec.bench.runner import Measurements, measure
 from hf_selfspec.bench.sampling import Sampling
 from hf_selfspec.bench.table import RED, RESET, render
@@ -460,17 +460,6 @@ def test_timing_waits_for_the_gpu_queue_on_both_sides(monkeypatch):
     events.clear()
     timed(lambda: events.append("run"), torch.device("cpu"))
     assert events == ["run"]
-
-
-def test_geomean_over_categories_by_hand():
-    assert geomean_over_categories({"translation": 2.0, "qa": 0.5}) == pytest.approx(1.0)
-    assert geomean_over_categories({"a": 1.0, "b": 4.0, "c": 2.0}) == pytest.approx(2.0)  # cube root of 8
-    assert geomean_over_categories({"a": 3.0, "b": 12.0}) == pytest.approx(6.0)  # square root of 36
-    assert geomean_over_categories({"code": 1.37}) == pytest.approx(1.37)
-    with pytest.raises(ValueError, match="at least one category"):
-        geomean_over_categories({})
-    with pytest.raises(ValueError, match="category 'qa': a speedup must be a positive number, got 0.0"):
-        geomean_over_categories({"translation": 2.0, "qa": 0.0})
 
 
 def _contender(name, family="hf_selfspec"):

@@ -15,13 +15,12 @@ from tuning_helpers import make_tuned_looking_study
 
 from hf_selfspec.measure import TimedRun
 from hf_selfspec.prompts import TUNE_SPLIT, WORKLOAD, WORKLOAD_CATEGORIES
-from hf_selfspec.stats import StrategyStats
+from hf_selfspec.stats import StrategyStats, geometric_mean
 from hf_selfspec.tuning.categories import (
     CATEGORY_GEOMETRIC_MEAN,
     FLOOR_CONSTRAINT,
     POOLED,
     alternating_order,
-    geometric_mean,
 )
 from hf_selfspec.tuning.config import PromptConfig, SearchConfig, StudyConfig, StudySettings
 from hf_selfspec.tuning.estimate import CostModel, EstimatedSpeedupObjective
@@ -39,8 +38,11 @@ def test_geometric_mean_by_hand():
     assert geometric_mean([1.0, 2.0, 4.0]) == pytest.approx(2.0)
     assert geometric_mean([3.0]) == pytest.approx(3.0)
     assert geometric_mean([1.5, 0.0]) == 0.0
-    with pytest.raises(ValueError):
+    assert geometric_mean([3.0, 12.0]) == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="no values"):
         geometric_mean([])
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        geometric_mean([2.0, -1.0])
 
 
 def test_each_category_decodes_first_as_often_as_second():

@@ -12,14 +12,13 @@ sum(plain seconds) / sum(candidate seconds), the value every study had before ca
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
 
-from hf_selfspec.stats import StrategyStats
+from hf_selfspec.stats import StrategyStats, geometric_mean
 
 # What a trial's value is, recorded on the trial and in the exported profile as `speedup_kind`.
 POOLED = "pooled"
@@ -28,16 +27,6 @@ CATEGORY_GEOMETRIC_MEAN = "category_geometric_mean"
 FLOOR_CONSTRAINT = "category_floor"
 # The name given to prompts without a category among prompts with one.
 UNCATEGORISED = "uncategorised"
-
-
-def geometric_mean(values: Iterable[float]) -> float:
-    """The geometric mean; 0.0 if any value is 0 (a category that never finished is no speedup)."""
-    values = list(values)
-    if not values:
-        raise ValueError("the geometric mean of no values is undefined")
-    if any(value <= 0 for value in values):
-        return 0.0
-    return math.exp(math.fsum(math.log(value) for value in values) / len(values))
 
 
 def alternating_order(categories: Sequence[str | None]) -> list[bool]:

@@ -13,13 +13,12 @@ it is the figure ours must beat, since lookup comes free with transformers.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
 from ..consistency import DIVERGENT, IDENTICAL, NEAR_TIE, Consistency, check_greedy_consistency, tolerance_for
-from ..stats import StrategyStats
+from ..stats import StrategyStats, geometric_mean
 from .contenders import BASELINE, PROMPT_LOOKUP
 from .runner import Measurements
 
@@ -30,19 +29,6 @@ SECONDS = "seconds"
 SECONDS_PER_TOKEN = "seconds_per_token"
 # The consistency verdict of a contender that sampled: no single output is right, so none is judged.
 SAMPLED = "sampled"
-
-
-def geomean_over_categories(speedups: Mapping[str, float]) -> float:
-    """The geometric mean of per-category speedups: the workload's one figure, and the tuner's
-    objective. Each category counts once however many prompts it has, so the categories where
-    generation is slow cannot drown out the others, and 2x on one category with 0.5x on another
-    averages to 1x (the arithmetic mean would claim 1.25x)."""
-    if not speedups:
-        raise ValueError("a geometric mean over categories needs at least one category")
-    for category, speedup in speedups.items():
-        if not (math.isfinite(speedup) and speedup > 0):
-            raise ValueError(f"category {category!r}: a speedup must be a positive number, got {speedup}")
-    return math.exp(math.fsum(math.log(speedup) for speedup in speedups.values()) / len(speedups))
 
 
 def speedup_metric(measurements: Measurements) -> str:
@@ -180,8 +166,8 @@ def _category_geomeans(by_category: Mapping[str, dict[str, Any]]) -> dict[str, f
         if summary["ratio_to_lookup"] is not None
     }
     return {
-        "category_geomean_speedup": geomean_over_categories(medians) if medians else None,
-        "category_geomean_ratio_to_lookup": geomean_over_categories(lookup_medians) if lookup_medians else None,
+        "category_geomean_speedup": geometric_mean(medians.values()) if medians else None,
+        "category_geomean_ratio_to_lookup": geometric_mean(lookup_medians.values()) if lookup_medians else None,
     }
 
 
