@@ -20,7 +20,7 @@ from .decoding import SpeculationParts
 from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
-from .layer_skip import LayerSkipper
+from .layer_skip import SkippingDecoder
 from .lookup_corpus import load_lookup_corpus
 from .params import SelfSpecParams
 from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
@@ -65,8 +65,8 @@ class Strategy:
             adapter = load_adapter(model, params.draft_adapter)
             drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives)
         else:
-            skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
-            drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size, params.draft_alternatives)
+            decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)
+            drafter = LayerSkipDrafter(model, cache, decoder, params.draft_vocab_size, params.draft_alternatives)
         if params.prompt_lookup_tokens:
             corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
             drafter = PromptLookupDrafter(
