@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import json
 import shutil
+import threading
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,9 +105,8 @@ class DraftAdapter(nn.Module):
         self.shape = shape
         self.block = copy.deepcopy(decoder_layers(model)[shape.exit_layer])
         for module in self.block.modules():
-            # A copy taken while a drafter has the model's layers patched would keep calling the
-            # model's own layer; the block must run its own weights.
-            module.__dict__.pop("forward", None)
+            # The model's hooks are not the adapter's (transformers' output capture, once a call
+            # asked for hidden states, would count the block as one of the model's layers).
             module._forward_hooks.clear()
             module._forward_pre_hooks.clear()
         self.block.self_attn.layer_idx = 0  # the only layer of the adapter's own cache
@@ -267,8 +267,11 @@ def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
     return adapter.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
 
 
-# Loaded adapters per model, so repeated `generate` calls do not re-read the file.
+# Loaded adapters per model, so repeated `generate` calls do not re-read the file. An adapter is
+# only read by a draft (its own cache is the drafter's), so concurrent calls share it; the lock
+# keeps threads that load different adapters for one model from dropping each other's.
 _loaded: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_loading = threading.Lock()
 
 
 def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
@@ -277,11 +280,12 @@ def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
     weights_path, _ = adapter_files(path)
     stamp = (str(weights_path.resolve()), weights_path.stat().st_mtime_ns if weights_path.is_file() else None,
              model.dtype, model.device)
-    per_model = _loaded.setdefault(model, {})
-    if stamp not in per_model:
-        per_model.clear()
-        per_model[stamp] = read_adapter(model, weights_path)
-    return per_model[stamp]
+    with _loading:
+        per_model = _loaded.setdefault(model, {})
+        if stamp not in per_model:
+            per_model.clear()
+            per_model[stamp] = read_adapter(model, weights_path)
+        return per_model[stamp]
 
 
 # `hf://{repo_id}@{revision}/{file in the repository}`: where a profile's file is when its model

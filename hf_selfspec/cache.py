@@ -1,11 +1,8 @@
 """One KV cache shared by the layer-skip draft and the full-model verifier.
 
 A draft forward that skips a layer's attention leaves that layer's cache untouched, so while
-drafting the layers hold different lengths. Two things follow:
-- rolling back after verification is done per layer, to one committed length;
-- transformers sizes the attention mask from a single layer (the first full-attention and the
-  first sliding-window layer); if that layer is skipped its length lags, so while drafting the
-  mask geometry is read from a layer of the same kind that does run.
+drafting the layers hold different lengths: rolling back after verification is done per layer,
+to one committed length (the draft sizes its masks from layers that run, `SkippingDecoder`).
 
 A verification that accepts one of the draft's alternatives (`alternatives.py`) computed its KV
 past the chain; it moves to the place of the draft token it replaced before the rollback. A
@@ -58,13 +55,6 @@ class DraftAwareCache(DynamicCache):
         # Sliding-window layers normally drop what falls out of the window; keeping it until the
         # next rollback is what makes rejected drafts undoable once the text outgrows the window.
         self.activate_past_recording()
-        self.mask_layer_redirect: dict[int, int] = {}
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return super().get_mask_sizes(query_length, self.mask_layer_redirect.get(layer_idx, layer_idx))
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return super().get_seq_length(self.mask_layer_redirect.get(layer_idx, layer_idx))
 
     def sliding_keys(self, query_length: int) -> int | None:
         """How many keys a sliding-window layer attends over with `query_length` new ones: those

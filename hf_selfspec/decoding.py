@@ -95,14 +95,21 @@ def speculative_decode(
             sequence, positions, kv_length, state.length, drafted, draft.alternatives, model, cache
         )
         first_row = state.length - 1 - kv_length  # the newest committed token's: logits from here on
-        logits = model(
+        # transformers collects a selected hidden state per call (its hooks read a context
+        # variable), at no extra compute: what a drafter reads travels with the output.
+        hidden_layer = parts.drafter.verification_hidden_state()
+        outputs = model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             **cache_keyword(cache),
             use_cache=True,
             logits_to_keep=input_ids.shape[1] - first_row,
-        ).logits[0]
+            **({} if hidden_layer is None else {"output_hidden_states": [hidden_layer]}),
+        )
+        if hidden_layer is not None:
+            parts.drafter.verified(outputs.hidden_states[hidden_layer])
+        logits = outputs.logits[0]
         verdict = verify(selector, state, draft, logits)
         verified = time.perf_counter()
         stats.verify_seconds += verified - drafting_ended

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from .adapter import DraftAdapter
 from .cache import DraftAwareCache, cache_keyword
-from .layer_skip import LayerSkipper, decoder_layers
+from .layer_skip import SkippingDecoder, decoder_layers
 from .lookup_corpus import LookupCorpus
 from .policies import DraftSourceChoice, ExitPolicy, LookupLength
 from .selection import TokenSelector
@@ -75,8 +75,13 @@ class Drafter:
         `source_row` now stands at `target_row` (rows from the verification's first input), as
         the shared cache's entries do. Only drafters that offer alternatives receive this."""
 
-    def close(self) -> None:
-        """Undo anything done to the model for drafting; called once `generate` ends."""
+    def verification_hidden_state(self) -> int | None:
+        """Which of a verification's hidden states the drafter reads (transformers' numbering:
+        `n` is the output of layer `n - 1`), handed to `verified`; None for none."""
+        return None
+
+    def verified(self, hidden_states: torch.Tensor) -> None:
+        """The hidden states `verification_hidden_state` names, of every input of a verification."""
 
 
 # (input_ids, position_ids) -> logits `[1, vocab]` at the last position, updating the cache.
@@ -174,49 +179,33 @@ class LayerSkipDrafter(Drafter):
     """The model itself with sub-layers skipped, writing into the verifier's own cache."""
 
     def __init__(
-        self, model: nn.Module, cache: DraftAwareCache, skipper: LayerSkipper, draft_vocab_size: int = 0,
+        self, model: nn.Module, cache: DraftAwareCache, decoder: SkippingDecoder, draft_vocab_size: int = 0,
         alternatives: int = 0,
     ):
-        self.model, self.cache, self.skipper = model, cache, skipper
+        self.model, self.cache, self.decoder = model, cache, decoder
         self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
-        self.next_logits: NextLogits | None = None
+        self.head: RestrictedDraftHead | None = None
 
-    def _restricted_next_logits(self, prompt_ids: torch.Tensor) -> NextLogits:
-        head, decoder = RestrictedDraftHead(self.model, self.draft_vocab_size, prompt_ids), self.model.get_decoder()
-
-        def next_logits(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-            hidden = decoder(
-                input_ids=input_ids, position_ids=position_ids, **cache_keyword(self.cache), use_cache=True
-            ).last_hidden_state
-            return head(hidden[:, -1])
-
-        return next_logits
+    def _next_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder(input_ids, position_ids, self.cache)[:, -1])
 
     def propose(self, state, max_tokens, exit_policy, selector):
-        if self.next_logits is None:  # first draft: the committed text is the prompt and one token
-            self.next_logits = (
-                self._restricted_next_logits(state.sequence[:, : state.length])
-                if self.draft_vocab_size
-                else _model_next_logits(self.model, self.cache)
-            )
-        with self.skipper.drafting(self.cache):
-            return _draft_autoregressively(
-                self.next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
-            )
-
-    def close(self) -> None:
-        self.skipper.close()
+        if self.head is None:  # first draft: the committed text is the prompt and one token
+            self.head = RestrictedDraftHead(self.model, self.draft_vocab_size, state.sequence[:, : state.length])
+        return _draft_autoregressively(
+            self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
+        )
 
 
 class ShallowExitDrafter(Drafter):
     """Kangaroo: the model's first `exit_layer` layers, then a trained adapter, then the LM head.
 
     The shallow layers write into the verifier's own cache, so their KV is shared and needs no
-    recompute; the layers above the exit are bypassed while drafting (see `LayerSkipper`). The
-    adapter's attention needs its own KV over the shallow hidden states of the committed text:
-    the verifier computes exactly those as the output of layer `exit_layer - 1`, so a forward
-    hook keeps them and the next draft feeds them to the adapter first. The shallow layers never
-    run twice for one token, and the adapter sees what it was trained on.
+    recompute; a draft runs only them (see `SkippingDecoder`). The adapter's attention needs its
+    own KV over the shallow hidden states of the committed text: each verification computes
+    exactly those as the output of layer `exit_layer - 1` and hands them over (its
+    `hidden_states[exit_layer]`), and the next draft feeds them to the adapter first. The shallow
+    layers never run twice for one token, and the adapter sees what it was trained on.
     """
 
     def __init__(
@@ -225,30 +214,24 @@ class ShallowExitDrafter(Drafter):
     ):
         self.model, self.cache, self.adapter = model, cache, adapter
         self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
-        exit_layer = adapter.shape.exit_layer
-        layers = decoder_layers(model)
-        above = tuple(range(exit_layer, len(layers)))
-        self.skipper = LayerSkipper(model, above, above)
+        self.exit_layer = adapter.shape.exit_layer
+        above = tuple(range(self.exit_layer, len(decoder_layers(model))))
+        self.shallow_layers = SkippingDecoder(model, above, above)
         self.adapter_cache = DynamicCache()
         self.adapter_length = 0  # committed positions whose shallow states the adapter cache holds
         self.committed_length = 0  # positions the verifier has computed, the adapter's backlog included
         self.backlog: list[torch.Tensor] = []  # shallow states of `adapter_length..committed_length`
-        self.shallow: torch.Tensor | None = None  # the latest forward's layer-exit input
         self.head: RestrictedDraftHead | None = None
-        self.hook = layers[exit_layer - 1].register_forward_hook(self._keep_shallow_states)
 
-    def _keep_shallow_states(self, module, args, output) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output
-        if self.skipper.active:
-            self.shallow = hidden
-        else:  # a verification: these positions follow the committed ones
-            self.backlog.append(hidden)
+    def verification_hidden_state(self) -> int:
+        return self.exit_layer
+
+    def verified(self, hidden_states: torch.Tensor) -> None:
+        self.backlog.append(hidden_states)  # these positions follow the committed ones
 
     def _next_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        self.model.get_decoder()(
-            input_ids=input_ids, position_ids=position_ids, **cache_keyword(self.cache), use_cache=True
-        )
-        hidden = torch.cat([*self.backlog, self.shallow], dim=1)
+        shallow = self.shallow_layers.hidden_states(input_ids, position_ids, self.cache)
+        hidden = torch.cat([*self.backlog, shallow], dim=1)
         # Counted back from the newest position on the device: reading it to the host would wait
         # for the shallow layers to finish before the adapter's work could be queued.
         positions = position_ids[:, -1:] + 1 - hidden.shape[1] + torch.arange(hidden.shape[1], device=hidden.device)
@@ -259,23 +242,20 @@ class ShallowExitDrafter(Drafter):
         if self.head is None:  # first draft: the committed text is the prompt and one token
             self.head = RestrictedDraftHead(self.model, self.draft_vocab_size, state.sequence[:, : state.length])
         self.adapter_length = self.committed_length  # the backlog enters the adapter cache now
-        with self.skipper.drafting(self.cache):
-            return _draft_autoregressively(
-                self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
-            )
+        return _draft_autoregressively(
+            self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
+        )
 
     def continue_from(self, state: DecodingState, cached_length: int) -> None:
         # The adapter reads the shallow states of the whole text, and no verification computed
         # the cached tokens' here: the shallow layers run over them once, into a scratch cache
         # (the shared one already holds their KV).
         if cached_length:
-            scratch = DraftAwareCache(self.model.config)
-            with self.skipper.drafting(scratch):
-                self.model.get_decoder()(
-                    input_ids=state.sequence[:, :cached_length], position_ids=state.positions[:, :cached_length],
-                    **cache_keyword(scratch), use_cache=True,
-                )
-            self.backlog, self.committed_length = [self.shallow], cached_length
+            shallow = self.shallow_layers.hidden_states(
+                state.sequence[:, :cached_length], state.positions[:, :cached_length],
+                DraftAwareCache(self.model.config),
+            )
+            self.backlog, self.committed_length = [shallow], cached_length
 
     def keep_alternative(self, source_row: int, target_row: int) -> None:
         verification = self.backlog[-1].clone()
@@ -290,10 +270,6 @@ class ShallowExitDrafter(Drafter):
         keep = committed_kv_length - self.adapter_length
         self.backlog = [backlog[:, :keep]] if backlog is not None and keep > 0 else []
         self.committed_length = committed_kv_length
-
-    def close(self) -> None:
-        self.hook.remove()
-        self.skipper.close()
 
 
 class AssistantDrafter(Drafter):
@@ -407,5 +383,8 @@ class PromptLookupDrafter(Drafter):
     def keep_alternative(self, source_row: int, target_row: int) -> None:
         self.fallback.keep_alternative(source_row, target_row)
 
-    def close(self) -> None:
-        self.fallback.close()
+    def verification_hidden_state(self) -> int | None:
+        return self.fallback.verification_hidden_state()
+
+    def verified(self, hidden_states: torch.Tensor) -> None:
+        self.fallback.verified(hidden_states)

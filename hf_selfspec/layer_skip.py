@@ -1,21 +1,21 @@
 """Turning the model into its own draft by not running chosen attention and MLP sub-layers.
 
-The skip is real: a skipped module's forward is replaced, while drafting, by one that returns a
-zero contribution without computing anything, so the residual stream passes through unchanged
-(in Gemma's sandwich norms too, since RMSNorm maps zero to zero). A layer with both sub-layers
-skipped is bypassed whole, which also saves its norms.
+The skip is real: the draft runs the decoder's layers itself and leaves the skipped sub-layers
+out, so their contribution to the residual stream is zero and costs nothing. A layer with both
+sub-layers skipped is left out whole, which also saves its norms. The model itself is never
+changed, so calls that draft and calls that decode plainly can share it from several threads.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
+import inspect
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from .cache import DraftAwareCache
-from .masks import layer_attention_types
+from .cache import cache_keyword
+from .masks import SLIDING, layer_attention_types
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -35,79 +35,120 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _zero_like(hidden_states: torch.Tensor) -> torch.Tensor:
-    return hidden_states.new_zeros(()).expand_as(hidden_states)
+# The layer layouts whose attention or MLP half can run alone: the norms each half owns, in
+# the order it applies them around its sub-layer (before, after).
+_PRE_NORM_HALVES = {"attention": ("input_layernorm", None), "mlp": ("post_attention_layernorm", None)}
+_SANDWICH_HALVES = {
+    "attention": ("input_layernorm", "post_attention_layernorm"),
+    "mlp": ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+}
+_SUB_LAYERS = {"attention": "self_attn", "mlp": "mlp"}
 
 
-class LayerSkipper:
-    """Installs skip-aware forwards on the chosen sub-layers; `drafting()` switches them on.
+def _layer_halves(model: nn.Module, index: int, layer: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """The norms around each half of a decoder layer, by the modules it has: Llama, Mistral and
+    Qwen norm before each sub-layer; Gemma 2 and 3 also after (sandwich norms)."""
+    has = {name for name, _ in layer.named_children()}
+    sandwich = {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"}
+    if sandwich <= has:
+        return _SANDWICH_HALVES
+    if {"input_layernorm", "post_attention_layernorm"} <= has and not has & {"pre_feedforward_layernorm", "post_feedforward_layernorm"}:
+        return _PRE_NORM_HALVES
+    raise ValueError(
+        f"decoder layer {index} of {type(model).__name__} ({type(layer).__name__}) has a layout whose attention or MLP "
+        f"cannot run alone; skip both of its sub-layers or neither (attn_skip_layers and mlp_skip_layers)"
+    )
 
-    The forwards are installed once per `generate` call rather than per draft step, so toggling
-    between draft and verify is a flag flip, not a module rewrite.
+
+class SkippingDecoder:
+    """The model's decoder run layer by layer, leaving out chosen attention and MLP sub-layers.
+
+    Everything a pass needs lives in the call (masks, position embeddings, the cache it is given),
+    so one model serves concurrent calls that skip differently, or not at all: nothing on the
+    model is patched or switched while a draft runs. A layer with both sub-layers skipped is not
+    run; one with a single sub-layer skipped runs the other half, its norms and residual; the
+    rest run whole, through the layer's own forward.
     """
 
-    def __init__(self, model: nn.Module, attn_skip_layers: tuple[int, ...], mlp_skip_layers: tuple[int, ...]):
-        self.layers = decoder_layers(model)
-        self.active = False
-        self._installed: list[tuple[nn.Module, object]] = []
-        whole = set(attn_skip_layers) & set(mlp_skip_layers)
-        for index in whole:
-            self._install(self.layers[index], lambda original: self._bypass_layer(original))
-        for index in set(attn_skip_layers) - whole:
-            self._install(self.layers[index].self_attn, lambda original: self._skip_attention(original))
-        for index in set(mlp_skip_layers) - whole:
-            self._install(self.layers[index].mlp, lambda original: self._skip_mlp(original))
-        self.mask_layer_redirect = self._redirect_for(model, set(attn_skip_layers))
+    def __init__(self, model: nn.Module, attn_skip_layers=(), mlp_skip_layers=()):
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        layers = decoder_layers(model)
+        for name in ("embed_tokens", "rotary_emb", "norm"):
+            if not isinstance(getattr(self.decoder, name, None), nn.Module):
+                raise ValueError(
+                    f"{type(model).__name__}'s decoder has no `{name}`: a draft that skips layers runs the decoder's "
+                    "embedding, rotary embeddings, layers and final norm itself"
+                )
+        attn_skipped, mlp_skipped = set(attn_skip_layers), set(mlp_skip_layers)
+        self.layer_types = layer_attention_types(model.config)
+        # (layer index, layer, its half that runs: None for the whole layer)
+        self.steps: list[tuple[int, nn.Module, tuple[str, tuple[str, str | None]] | None]] = []
+        for index, layer in enumerate(layers):
+            if index in attn_skipped and index in mlp_skipped:
+                continue
+            half = None
+            if index in attn_skipped or index in mlp_skipped:
+                kind = "mlp" if index in attn_skipped else "attention"
+                half = (kind, _layer_halves(model, index, layer)[kind])
+            self.steps.append((index, layer, half))
+        # transformers sizes each kind's mask from one cache layer of that kind; a layer whose
+        # attention does not run lags behind, so the first one whose attention runs is asked.
+        self.mask_layers: dict[str, int] = {}
+        for index, _, half in self.steps:
+            if half is None or half[0] == "attention":
+                self.mask_layers.setdefault(self.layer_types[index], index)
+        self.rotary_by_kind = "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
 
-    def _install(self, module: nn.Module, make_forward) -> None:
-        self._installed.append((module, module.__dict__.get("forward")))
-        module.forward = make_forward(module.forward)
+    def _masks(self, hidden, position_ids, cache, attention_mask) -> dict[str, torch.Tensor | None]:
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        if attention_mask is not None:  # one hand-built mask for every layer, as the models take it
+            return dict.fromkeys(self.mask_layers, attention_mask)
+        masks = {}
+        for kind, layer_idx in self.mask_layers.items():
+            build = create_sliding_window_causal_mask if kind == SLIDING else create_causal_mask
+            masks[kind] = build(
+                config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
+                layer_idx=layer_idx, **cache_keyword(cache),
+            )
+        return masks
 
-    def _bypass_layer(self, original):
-        def forward(hidden_states, *args, **kwargs):
-            return hidden_states if self.active else original(hidden_states, *args, **kwargs)
+    def _position_embeddings(self, hidden, position_ids) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        rotary = self.decoder.rotary_emb
+        if self.rotary_by_kind:
+            return {kind: rotary(hidden, position_ids, kind) for kind in self.mask_layers}
+        return dict.fromkeys(self.mask_layers, rotary(hidden, position_ids))
 
-        return forward
-
-    def _skip_attention(self, original):
-        def forward(*args, **kwargs):
-            if self.active:
-                hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                return _zero_like(hidden_states), None
-            return original(*args, **kwargs)
-
-        return forward
-
-    def _skip_mlp(self, original):
-        def forward(hidden_states, *args, **kwargs):
-            return _zero_like(hidden_states) if self.active else original(hidden_states, *args, **kwargs)
-
-        return forward
-
-    def _redirect_for(self, model: nn.Module, attn_skipped: set[int]) -> dict[int, int]:
-        layer_types = layer_attention_types(model.config)
-        running = [i for i in range(len(self.layers)) if i not in attn_skipped]
-        redirect = {}
-        for index in attn_skipped:
-            same_kind = [i for i in running if layer_types[i] == layer_types[index]]
-            if same_kind:
-                redirect[index] = same_kind[0]
-        return redirect
-
-    @contextmanager
-    def drafting(self, cache: DraftAwareCache) -> Iterator[None]:
-        self.active = True
-        cache.mask_layer_redirect = self.mask_layer_redirect
-        try:
-            yield
-        finally:
-            self.active = False
-            cache.mask_layer_redirect = {}
-
-    def close(self) -> None:
-        for module, previous_forward in reversed(self._installed):
-            if previous_forward is None:
-                del module.forward
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None, attention_mask=None
+    ) -> torch.Tensor:
+        """The residual stream after the last layer run, before the final norm. `attention_mask`:
+        a hand-built additive mask (one, or one per layer kind) instead of the causal one."""
+        hidden = self.decoder.embed_tokens(input_ids)
+        masks = self._masks(hidden, position_ids, cache, attention_mask)
+        embeddings = self._position_embeddings(hidden, position_ids)
+        for index, layer, half in self.steps:
+            kind = self.layer_types[index]
+            attention_inputs = {
+                "attention_mask": masks.get(kind), "position_embeddings": embeddings.get(kind),
+                "position_ids": position_ids, **cache_keyword(cache),
+            }
+            if half is None:
+                output = layer(hidden, **attention_inputs)
+                hidden = output[0] if isinstance(output, tuple) else output
+                continue
+            sub_layer, (norm_before, norm_after) = _SUB_LAYERS[half[0]], half[1]
+            contribution = getattr(layer, norm_before)(hidden)
+            if sub_layer == "self_attn":
+                contribution, _ = layer.self_attn(hidden_states=contribution, **attention_inputs)
             else:
-                module.forward = previous_forward
-        self._installed.clear()
+                contribution = layer.mlp(contribution)
+            if norm_after is not None:
+                contribution = getattr(layer, norm_after)(contribution)
+            hidden = hidden + contribution
+        return hidden
+
+    def __call__(self, input_ids, position_ids, cache, attention_mask=None) -> torch.Tensor:
+        """The final, normed hidden states, as the decoder's `last_hidden_state`."""
+        return self.decoder.norm(self.hidden_states(input_ids, position_ids, cache, attention_mask))

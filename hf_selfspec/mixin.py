@@ -1,20 +1,28 @@
 """`generate(strategy=...)` on any transformers decoder, by subclassing or by `enable(model)`.
 
-The hook sits where transformers dispatches greedy search and sampling (`_sample`), not in
-front of `generate`: that way every input transformers prepares (the processors from the
-config, `stop_strings` with the tokenizer, `min_new_tokens`, the length limits, the streamer)
-reaches the speculative loop exactly as it would reach plain decoding.
+The speculative loop takes the place of greedy search and sampling through transformers' own
+`custom_generate` hook, handed a callable, not in front of `generate`: that way every input
+transformers prepares (the processors from the config, `stop_strings` with the tokenizer,
+`min_new_tokens`, the length limits) reaches the loop exactly as it would reach plain decoding.
+
+Everything a call decides (its strategy, parameters, streamer) travels in that callable, and the
+draft runs the model's layers itself with per-call state, so nothing is set on the model or
+patched into it for the length of a call: one model serves concurrent calls from many threads,
+plain and speculative alike.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, SynthIDTextWatermarkingConfig
+from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria, SynthIDTextWatermarkingConfig
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .adapter import anchor_profile_files
@@ -22,7 +30,7 @@ from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollba
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
-from .profiles import profile_for_model
+from .profiles import TunedProfile, profile_for_model
 from .selection import TokenSelector
 from .stats import StrategyStats
 from .strategies import PLAIN, Strategy, available_strategies, resolve_strategy
@@ -81,6 +89,9 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
         return "use classifier-free guidance (guidance_scale): its processor decodes the unguided text step by step"
     if isinstance(setting("watermarking_config"), SynthIDTextWatermarkingConfig):
         return "watermark with SynthID: its processor remembers every context it has scored"
+    mode = _generation_mode(config, kwargs)
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"run transformers' {mode.value.replace('_', ' ')} (its own decoding loop)"
     inputs = _call_prompt(args, kwargs)
     batch = (inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else 1) * (
         setting("num_return_sequences", 1) or 1
@@ -91,6 +102,14 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     if past is not None:
         return why_not_rollback_capable(past) or _why_not_continued(past, inputs)
     return None
+
+
+def _generation_mode(config, kwargs: dict[str, Any]) -> GenerationMode:
+    """The decoding mode transformers would pick for this call (our assistant model aside: a
+    strategy drafts with it)."""
+    call_config = copy.deepcopy(config)
+    call_config.update(**{name: value for name, value in kwargs.items() if hasattr(call_config, name)})
+    return call_config.get_generation_mode()
 
 
 def _why_not_continued(past, inputs) -> str | None:
@@ -168,105 +187,139 @@ class SelfSpecMixin(GenerationMixin):
     always decodes plainly.
     """
 
-    _selfspec_plan: StrategyPlan | None = None
-
     def generate(self, *args, strategy: str | Strategy | None = None, **kwargs):
-        if kwargs.get("custom_generate") is not None:
-            # Another decoding loop takes over (a packaged hf-selfspec one among them); it gets
-            # our keywords as given, and no plan of ours is left behind for its `_sample`.
-            if strategy is not None:
-                kwargs["strategy"] = strategy
-            return super().generate(*args, **kwargs)
-        explicit = {name: kwargs.pop(name) for name in list(kwargs) if name in PARAM_NAMES}
-        plan = self._plan_strategy(strategy, explicit, args, kwargs)
-        if plan is None:
-            return super().generate(*args, **kwargs)
-        kwargs.pop("assistant_model", None)  # ours to draft with; transformers must not see it
-        args, kwargs, caller_device = _prompt_on_device(self.device, args, kwargs)
-        self._selfspec_plan = plan
-        try:
-            return _output_on_device(super().generate(*args, **kwargs), caller_device)
-        finally:
-            self._selfspec_plan = None
+        return generate_with_strategy(self, super().generate, args, kwargs, strategy)
 
-    def _plan_strategy(
-        self, strategy: str | Strategy | None, explicit: dict[str, Any], args: tuple, kwargs: dict[str, Any]
-    ) -> StrategyPlan | None:
-        if strategy is None or strategy == PLAIN:
-            if explicit:
-                raise ValueError(
-                    f"{sorted(explicit)[0]} only applies under a strategy; pass strategy= one of "
-                    f"{', '.join(available_strategies())}"
-                )
-        profile = None if strategy == PLAIN else profile_for_model(self)
-        if strategy == PLAIN or (strategy is None and profile is None):
-            return None
-        config = _call_generation_config(self, args, kwargs)
-        reason = _unsupported(config, args, kwargs)
-        if reason is not None:
-            _decline(None if strategy is None else getattr(strategy, "name", strategy), reason)
-            return None
-        resolved = resolve_strategy(strategy if strategy is not None else profile.strategy)
-        config_values = {name: getattr(config, name) for name in PARAM_NAMES if getattr(config, name, None) is not None}
-        params = resolve_params(
-            len(decoder_layers(self)),
-            explicit,
-            anchor_profile_files(self, config_values),
-            anchor_profile_files(self, profile.params) if profile is not None else {},
-        )
-        return StrategyPlan(resolved, params, kwargs.get("assistant_model"), from_profile=strategy is None)
 
-    def _sample(
-        self,
-        input_ids: torch.LongTensor,
-        logits_processor,
-        stopping_criteria,
-        generation_config,
-        synced_gpus: bool = False,
-        streamer=None,
-        **model_kwargs,
-    ):
-        plan, self._selfspec_plan = self._selfspec_plan, None
-        mask = model_kwargs.get("attention_mask")
-        if plan is not None and mask is not None and not bool(mask.all()):
-            _decline(None if plan.from_profile else plan.strategy.name, PADDED_INPUT)
-            plan = None
-        if plan is None:
-            return super()._sample(
-                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+def generate_with_strategy(
+    model: nn.Module,
+    plain_generate: Callable,
+    args: tuple,
+    kwargs: dict[str, Any],
+    strategy: str | Strategy | None = None,
+    lent_profiles: tuple[Mapping[str, TunedProfile], str | None] | None = None,
+):
+    """`plain_generate(*args, **kwargs)` (transformers' `generate` bound to `model`), under a
+    strategy where the call or a profile asks for one. `lent_profiles`: profiles to use where the
+    model's generation config has none, and the directory their file names are relative to."""
+    if kwargs.get("custom_generate") is not None:
+        # Another decoding loop takes over (a packaged hf-selfspec one among them); it gets our
+        # keywords as given.
+        if strategy is not None:
+            kwargs["strategy"] = strategy
+        return plain_generate(*args, **kwargs)
+    explicit = {name: kwargs.pop(name) for name in list(kwargs) if name in PARAM_NAMES}
+    plan = _plan_strategy(model, strategy, explicit, args, kwargs, lent_profiles)
+    if plan is None:
+        return plain_generate(*args, **kwargs)
+    kwargs.pop("assistant_model", None)  # ours to draft with; transformers must not see it
+    args, kwargs, caller_device = _prompt_on_device(model.device, args, kwargs)
+    kwargs = _stop_strings_as_criterion(model, args, kwargs)
+    # transformers hands a `custom_generate` callable everything it would hand `_sample` but
+    # the streamer, to which it has already given the prompt: the loop gets it here.
+    loop = functools.partial(_speculative_sample, plan=plan, streamer=kwargs.get("streamer"))
+    return _output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device)
+
+
+def _stop_strings_as_criterion(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call with its stop strings turned into a stopping criterion of its own.
+
+    transformers does not hand a `custom_generate` callable's call the tokenizer it was given,
+    and without one it refuses stop strings: the criterion it would build from them is built here.
+    Without a tokenizer the call is left as it is, for transformers to say what is missing."""
+    config = _call_generation_config(model, args, kwargs)
+    stop_strings = kwargs["stop_strings"] if "stop_strings" in kwargs else getattr(config, "stop_strings", None)
+    tokenizer = kwargs.get("tokenizer")
+    if stop_strings is None or tokenizer is None:
+        return kwargs
+    criteria = [*(kwargs.get("stopping_criteria") or []), StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)]
+    return {**kwargs, "stop_strings": None, "stopping_criteria": StoppingCriteriaList(criteria)}
+
+
+def _plan_strategy(
+    model: nn.Module,
+    strategy: str | Strategy | None,
+    explicit: dict[str, Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    lent_profiles: tuple[Mapping[str, TunedProfile], str | None] | None,
+) -> StrategyPlan | None:
+    if strategy is None or strategy == PLAIN:
+        if explicit:
+            raise ValueError(
+                f"{sorted(explicit)[0]} only applies under a strategy; pass strategy= one of "
+                f"{', '.join(available_strategies())}"
             )
-        # The cache plain decoding would fill: the caller's, or the one transformers made
-        filled_cache = model_kwargs[CACHE_ARGUMENT]
-        keep_scores = generation_config.return_dict_in_generate and (
-            generation_config.output_scores or generation_config.output_logits
+    profile, profile_dir = None, None
+    if strategy != PLAIN:
+        profile = profile_for_model(model)
+        if profile is None and lent_profiles is not None:
+            profile, profile_dir = profile_for_model(model, lent_profiles[0]), lent_profiles[1]
+    if strategy == PLAIN or (strategy is None and profile is None):
+        return None
+    config = _call_generation_config(model, args, kwargs)
+    reason = _unsupported(config, args, kwargs)
+    if reason is not None:
+        _decline(None if strategy is None else getattr(strategy, "name", strategy), reason)
+        return None
+    resolved = resolve_strategy(strategy if strategy is not None else profile.strategy)
+    config_values = {name: getattr(config, name) for name in PARAM_NAMES if getattr(config, name, None) is not None}
+    params = resolve_params(
+        len(decoder_layers(model)),
+        explicit,
+        anchor_profile_files(model, config_values),
+        anchor_profile_files(model, profile.params, profile_dir) if profile is not None else {},
+    )
+    return StrategyPlan(resolved, params, kwargs.get("assistant_model"), from_profile=strategy is None)
+
+
+def _speculative_sample(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    *,
+    plan: StrategyPlan,
+    streamer=None,
+    **model_kwargs,
+):
+    """What `_sample` does, speculatively: transformers calls it as the call's `custom_generate`."""
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        _decline(None if plan.from_profile else plan.strategy.name, PADDED_INPUT)
+        return type(model)._sample(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
         )
-        with rollback_view(filled_cache) as cache:
-            parts = plan.strategy.build(self, plan.params, cache, plan.assistant_model)
-            try:
-                result = speculative_decode(
-                    self,
-                    cache,
-                    parts,
-                    input_ids,
-                    TokenSelector(logits_processor, generation_config.do_sample),
-                    stopping_criteria,
-                    max_length=generation_config.max_length,
-                    max_proposal_tokens=plan.params.max_proposal_tokens,
-                    stats=StrategyStats(strategy=plan.strategy.name),
-                    streamer=streamer,
-                    keep_scores=keep_scores,
-                )
-            finally:
-                parts.drafter.close()
-        if not generation_config.return_dict_in_generate:
-            return result.sequences
-        return SelfSpecGenerateOutput(
-            sequences=result.sequences,
-            scores=result.scores if generation_config.output_scores else None,
-            logits=result.logits if generation_config.output_logits else None,
-            **{CACHE_ARGUMENT: filled_cache},
-            strategy_stats=result.stats,
+    # The cache plain decoding would fill: the caller's, or the one transformers made
+    filled_cache = model_kwargs[CACHE_ARGUMENT]
+    keep_scores = generation_config.return_dict_in_generate and (
+        generation_config.output_scores or generation_config.output_logits
+    )
+    with rollback_view(filled_cache) as cache:
+        parts = plan.strategy.build(model, plan.params, cache, plan.assistant_model)
+        result = speculative_decode(
+            model,
+            cache,
+            parts,
+            input_ids,
+            TokenSelector(logits_processor, generation_config.do_sample),
+            stopping_criteria,
+            max_length=generation_config.max_length,
+            max_proposal_tokens=plan.params.max_proposal_tokens,
+            stats=StrategyStats(strategy=plan.strategy.name),
+            streamer=streamer,
+            keep_scores=keep_scores,
         )
+    if not generation_config.return_dict_in_generate:
+        return result.sequences
+    return SelfSpecGenerateOutput(
+        sequences=result.sequences,
+        scores=result.scores if generation_config.output_scores else None,
+        logits=result.logits if generation_config.output_logits else None,
+        **{CACHE_ARGUMENT: filled_cache},
+        strategy_stats=result.stats,
+    )
 
 
 _enabled_classes: dict[type, type] = {}
@@ -285,7 +338,17 @@ def enable(model: nn.Module) -> nn.Module:
 
 def enabled_class(cls: type) -> type:
     """`cls` with `SelfSpecMixin` in front: one subclass per class, so enabled models of one
-    class share a type."""
+    class share a type. It keeps `cls`'s name: transformers recognises models by class name (a
+    pipeline checks it against its task's models, `save_pretrained` records it as the
+    architecture)."""
     if cls not in _enabled_classes:
-        _enabled_classes[cls] = type(f"SelfSpec{cls.__name__}", (SelfSpecMixin, cls), {})
+        _enabled_classes[cls] = type(cls.__name__, (SelfSpecMixin, cls), {"__qualname__": cls.__qualname__})
     return _enabled_classes[cls]
+
+
+def transformers_class(model: nn.Module) -> type:
+    """The model's class without `SelfSpecMixin`, of this copy of the core or another (an installed
+    hf_selfspec's, a packaged one's): recognised by name, as each copy defines its own."""
+    return next(
+        cls for cls in type(model).__mro__ if not any(base.__name__ == SelfSpecMixin.__name__ for base in cls.__mro__)
+    )

@@ -155,13 +155,16 @@ def use_generation_config_file(model: torch.nn.Module, path: str | Path) -> None
 _warned_keys: set[tuple[int, str]] = set()
 
 
-def profile_for_model(model: torch.nn.Module) -> TunedProfile | None:
-    """The profile matching the device and dtype the model runs on, if its config has one.
+def profile_for_model(
+    model: torch.nn.Module, profiles: Mapping[str, TunedProfile] | None = None
+) -> TunedProfile | None:
+    """The profile matching the device and dtype the model runs on, among `profiles` (by default
+    its generation config's), if there is one.
 
     A config tuned only on other hardware warns once per model and key: applying a CPU skip set
     on a GPU is legal but usually slower than plain decoding, so we stay plain instead.
     """
-    profiles = read_profiles(model.generation_config)
+    profiles = read_profiles(model.generation_config) if profiles is None else profiles
     if not profiles:
         return None
     key = device_profile_key(model.device, model.dtype)

@@ -20,7 +20,7 @@ from .decoding import SpeculationParts
 from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
-from .layer_skip import LayerSkipper
+from .layer_skip import SkippingDecoder
 from .lookup_corpus import LookupCorpus, load_lookup_corpus
 from .params import SelfSpecParams
 from .policies import (
@@ -101,8 +101,8 @@ class Strategy:
             adapter = load_adapter(model, params.draft_adapter)
             drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives)
         else:
-            skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
-            drafter = LayerSkipDrafter(model, cache, skipper, params.draft_vocab_size, params.draft_alternatives)
+            decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)
+            drafter = LayerSkipDrafter(model, cache, decoder, params.draft_vocab_size, params.draft_alternatives)
         corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
         return self.with_prompt_lookup(drafter, params, corpus)
 

@@ -138,3 +138,26 @@ def test_a_prompt_on_another_device_than_the_model_moves_there_and_the_output_ba
     assert moved.sequences.device == gpu and moved.scores[0].device == gpu and moved.logits is None
     assert _output_on_device(PROMPT, gpu).device == gpu
     assert _output_on_device(PROMPT, None) is PROMPT
+
+
+def test_a_pipeline_takes_an_enabled_model_silently(tiny_llama_dir, capfd):
+    """transformers' pipelines check a model's class name against their task's models; an enabled
+    model keeps its class's name, so nothing is logged or printed, as for the original model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    from transformers.utils import logging as transformers_logging
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    transformers_logging.set_verbosity_info()  # anything logged at all would show
+    try:
+        capfd.readouterr()
+        model = hf_selfspec.enable(AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+        capfd.readouterr()  # loading's own progress output
+        generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+        output = generator("def add(a, b):", max_new_tokens=6, do_sample=False, strategy="self_speculative",
+                           attn_skip_layers=[1], mlp_skip_layers=[], return_full_text=False)
+        printed = capfd.readouterr()
+    finally:
+        transformers_logging.set_verbosity_warning()
+    assert isinstance(output[0]["generated_text"], str)
+    assert (printed.out, printed.err) == ("", "")
+    assert type(model).__name__ == "LlamaForCausalLM" and isinstance(model, SelfSpecMixin)

@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessorList
 
 from hf_selfspec.drafters import DecodingState, Draft
-from hf_selfspec.layer_skip import LayerSkipper
+from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.verifier import verify
 from tiny_models import tiny_model
@@ -47,11 +47,17 @@ def _warped_probabilities(logits: torch.Tensor, eos_token_id: int) -> torch.Tens
 
 
 @torch.no_grad()
-def _exact_joint(model) -> np.ndarray:
-    """P(new tokens | prompt) over all VOCAB**NEW_TOKENS continuations, in itertools.product order."""
+def _exact_joint(model, decoder: SkippingDecoder | None = None) -> np.ndarray:
+    """P(new tokens | prompt) over all VOCAB**NEW_TOKENS continuations, in itertools.product order;
+    the model's, or with `decoder` in place of its own, its draft's."""
     continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS)))
     sequences = torch.cat([PROMPT.expand(len(continuations), -1), continuations], dim=1)
-    probabilities = _warped_probabilities(model(sequences, use_cache=False).logits, model.config.eos_token_id)
+    if decoder is None:
+        logits = model(sequences, use_cache=False).logits
+    else:
+        positions = torch.arange(sequences.shape[1]).expand_as(sequences)
+        logits = model.get_output_embeddings()(decoder(sequences, positions, None))
+    probabilities = _warped_probabilities(logits, model.config.eos_token_id)
     start = PROMPT.shape[1] - 1
     joint = torch.ones(len(continuations))
     for offset in range(NEW_TOKENS):
@@ -153,12 +159,7 @@ def test_the_test_can_tell_the_draft_from_the_target(model):
     """Samples drawn with the layer-skip strategy must be rejected as draws from the draft alone;
     otherwise the goodness-of-fit test above would pass for a sampler that never verifies."""
     counts = _sample_counts(model, seed=2024, **CASES["self_speculative"])
-    skipper = LayerSkipper(model, tuple(SKIP["attn_skip_layers"]), tuple(SKIP["mlp_skip_layers"]))
-    skipper.active = True
-    try:
-        draft_joint = _exact_joint(model)
-    finally:
-        skipper.close()
+    draft_joint = _exact_joint(model, SkippingDecoder(model, SKIP["attn_skip_layers"], SKIP["mlp_skip_layers"]))
     assert _goodness_of_fit(counts, draft_joint) < 1e-6
 
 

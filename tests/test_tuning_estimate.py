@@ -11,7 +11,7 @@ from tuning_helpers import write_study_config
 
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import DecodingState, LayerSkipDrafter
-from hf_selfspec.layer_skip import LayerSkipper
+from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.params import resolve_params
 from hf_selfspec.policies import ExitPolicy, ThroughputBackoff
 from hf_selfspec.selection import TokenSelector
@@ -296,10 +296,10 @@ def test_draft_pass_predicts_what_a_real_draft_proposes_first(architecture, draf
     assert len(tokens) == len(prompt.reference_tokens) - 1
     selector = TokenSelector(LogitsProcessorList(), do_sample=False)
     cache = DraftAwareCache(model.config)
-    skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
+    decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)
     # One drafter throughout, first asked after one committed token: a restricted head picks its
     # rows then, from the text so far, as in a real decode.
-    drafter = LayerSkipDrafter(model, cache, skipper, draft_vocab_size)
+    drafter = LayerSkipDrafter(model, cache, decoder, draft_vocab_size)
     kv_length = 0
     for committed in (1, 5, 12, len(prompt.reference_tokens) - 1):
         length = data.prompt_length + committed
@@ -315,7 +315,6 @@ def test_draft_pass_predicts_what_a_real_draft_proposes_first(architecture, draf
             cache.rollback(kv_length)
         assert draft.tokens[0] == tokens[committed - 1], committed
         assert float(draft.distributions[0].max()) == pytest.approx(confidence[committed - 1], rel=1e-4)
-    drafter.close()
 
 
 def test_attention_a_hand_built_mask_cannot_express_is_refused_with_the_reason():

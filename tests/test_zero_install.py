@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_kangaroo import _random_adapter
 from tiny_models import tiny_transformers_model
 
-from hf_selfspec.hub.package import package
+from hf_selfspec.hub.package import bundled_profiles_for_repository, package
 from hf_selfspec.profiles import PROFILE_KEY
 
 pytestmark = pytest.mark.version_sensitive
@@ -40,7 +41,10 @@ TINY_PROFILE = {
 
 def run_isolated(tmp_path: Path, **spec) -> dict:
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps({"site_packages": site.getsitepackages(), **spec}))
+    # This venv's site directories and any its .pth files add (a worktree's venv may take torch
+    # from another venv's): `-S` skips the .pth files, so they are passed by name.
+    site_packages = list(dict.fromkeys([*site.getsitepackages(), *(p for p in sys.path if p.endswith("site-packages"))]))
+    spec_file.write_text(json.dumps({"site_packages": site_packages, **spec}))
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
         [sys.executable, "-I", "-S", str(CHECK_SCRIPT), str(spec_file)],
@@ -99,6 +103,32 @@ def test_tiny_model_drafts_and_matches_greedy_without_hf_selfspec(tiny_model_dir
     assert len(other["warnings"]) == 1 and "cpu/bfloat16" in other["warnings"][0]
 
 
+def test_a_package_lends_its_kangaroo_profile_with_the_adapter_and_corpus_it_holds(tiny_model_dir, tmp_path):
+    """`custom_generate=<package folder>` on a checkpoint whose folder has no profile and none of
+    our files: the lent profile's adapter and lookup corpus are the package's."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_selfspec.lookup_corpus import save_lookup_corpus
+
+    exported = tmp_path / "exported"
+    adapter = _random_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1, exported)
+    corpus = save_lookup_corpus([[5, 17, 42, 8, 9, 60, 1, 33, 7, 7]], exported / "corpus", 96, "tiny")
+    profile = {
+        "strategy": "kangaroo",
+        "params": {"draft_adapter": Path(adapter).name, "lookup_corpus": Path(corpus).name, "prompt_lookup_tokens": 3,
+                   "max_draft_tokens": 4, "draft_exit_threshold": 0.0, "backoff_probe_interval": 0},
+    }
+    (exported / "generation_config.json").write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
+    package_dir = package(exported / "generation_config.json", tmp_path / "package").folder
+    shutil.rmtree(exported)  # the package's copies are the only ones
+    assert sorted(p.name for p in tiny_model_dir.iterdir()) == ["config.json", "generation_config.json",
+                                                                 "model.safetensors"]
+    facts = run_isolated(tmp_path, package=str(package_dir), model=str(tiny_model_dir), model_repo=None,
+                         prompts=[[5, 17, 42, 8, 9], [60, 1, 33]], max_new_tokens=24, check_other_dtype=False)
+    assert facts["custom_generate"]["identical"] == [True, True]
+    assert all(drafted and drafted > 0 for drafted in facts["custom_generate"]["drafted"]), facts
+
+
 def test_a_hub_model_repo_fetches_the_adapter_its_kangaroo_profile_names(tiny_model_dir, tmp_path):
     """A model loaded by Hub id: transformers downloads only the model's own files, so the adapter
     beside its config is fetched from the repository (here an offline Hub cache laid out as
@@ -116,24 +146,30 @@ def test_a_hub_model_repo_fetches_the_adapter_its_kangaroo_profile_names(tiny_mo
     (exported / "generation_config.json").write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
     package_dir = package(exported / "generation_config.json", tmp_path / "package").folder
     commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_id = "hf-selfspec-test/tiny-kangaroo"
     repo_cache = tmp_path / "hf-home" / "hub" / "models--hf-selfspec-test--tiny-kangaroo"
     (repo_cache / "snapshots").mkdir(parents=True)
-    with_package(tiny_model_dir, package_dir, repo_cache / "snapshots" / commit)
+    snapshot = with_package(tiny_model_dir, package_dir, repo_cache / "snapshots" / commit)
+    # As `hf-selfspec push` uploads it: the lent profiles name their files in the repository
+    bundled = snapshot / "custom_generate" / "bundled_profiles.py"
+    bundled.unlink()
+    bundled.write_text(bundled_profiles_for_repository(package_dir, repo_id))
     (repo_cache / "refs").mkdir()
     (repo_cache / "refs" / "main").write_text(commit)
 
     facts = run_isolated(
         tmp_path,
-        package=None,
+        package=repo_id,  # lent to a model whose folder has no profile and no adapter
         model=str(tiny_model_dir),
-        model_repo="hf-selfspec-test/tiny-kangaroo",
+        model_repo=repo_id,
         prompts=[[5, 17, 42, 8, 9], [60, 1, 33]],
         max_new_tokens=24,
         check_other_dtype=False,
     )
     assert facts["hf_selfspec_importable"] is False
-    assert facts["model_repo"]["identical"] == [True, True]
-    assert all(drafted and drafted > 0 for drafted in facts["model_repo"]["drafted"]), facts["model_repo"]
+    for path in ("custom_generate", "model_repo"):
+        assert facts[path]["identical"] == [True, True], path
+        assert all(drafted and drafted > 0 for drafted in facts[path]["drafted"]), facts[path]
 
     (repo_cache / "snapshots" / commit / Path(adapter).name).unlink()
     with pytest.raises(AssertionError, match="draft adapter adapter-1-1.safetensors of hf-selfspec-test/tiny-kangaroo "
@@ -142,27 +178,50 @@ def test_a_hub_model_repo_fetches_the_adapter_its_kangaroo_profile_names(tiny_mo
                      prompts=[[5, 17]], max_new_tokens=4, check_other_dtype=False)
 
 
-@pytest.mark.real_model
-def test_embedded_model_with_the_shipped_profile_without_hf_selfspec(tmp_path):
-    from hf_selfspec.embedded import TUNED_CONFIG, converted_model_dir
-    from hf_selfspec.prompts import encode_prompt, load_prompts
+def _shipped_configs() -> list[Path]:
+    from hf_selfspec.embedded import TUNED_CONFIG
 
-    model_dir = converted_model_dir()
+    return sorted(Path(str(TUNED_CONFIG)).parent.glob("*generation_config.json"))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("config", _shipped_configs(), ids=lambda path: path.name)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_shipped_profile_lent_to_a_clean_checkpoint_without_hf_selfspec(tmp_path, config, dtype):
+    """docs/hub.md's flow: `package --config <shipped>`, then `custom_generate=PKG` on an ordinary
+    checkpoint folder (no profile, none of our files), in a venv without hf_selfspec. The shipped
+    profiles' adapter and corpus are found in the package; bfloat16 outputs are consistent."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from hf_selfspec.consistency import check_greedy_consistency
+    from hf_selfspec.embedded import converted_model_dir
+    from hf_selfspec.profiles import read_profiles_file
+    from hf_selfspec.prompts import encode_prompt, load_prompts
+
+    profiles = read_profiles_file(config)
+    if f"cpu/{dtype}" not in profiles:
+        pytest.skip(f"{config.name} has no cpu/{dtype} profile")
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for item in converted_model_dir().iterdir():
+        (checkpoint / item.name).symlink_to(item.resolve())
+    assert not read_profiles_file(checkpoint / "generation_config.json")
+    assert not list(checkpoint.glob("*kangaroo*")) and not list(checkpoint.glob("own-code*"))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = [encode_prompt(tokenizer, p)["input_ids"][0].tolist() for p in load_prompts("humaneval", n=2, offset=20)]
-    package_dir = package(Path(str(TUNED_CONFIG)), tmp_path / "package").folder
-    facts = run_isolated(
-        tmp_path,
-        package=str(package_dir),
-        model=str(model_dir),
-        model_repo=str(with_package(model_dir, package_dir, tmp_path / "model-repo")),
-        prompts=prompts,
-        max_new_tokens=32,
-        check_other_dtype=False,
-    )
+    package_dir = package(config, tmp_path / "package").folder
+    model_repo = with_package(checkpoint, package_dir, tmp_path / "model-repo")  # the package in the model's repo
+    facts = run_isolated(tmp_path, package=str(package_dir), model=str(checkpoint), model_repo=str(model_repo),
+                         prompts=prompts, max_new_tokens=32, check_other_dtype=False, dtype=dtype)
     assert facts["hf_selfspec_importable"] is False
     for path in ("custom_generate", "model_repo"):
-        assert facts[path]["identical"] == [True, True], path
         assert sum(facts[path]["drafted"]) > 0, (path, facts[path])
+        for difference in facts[path]["differences"]:
+            if difference is not None:  # reduced precision: a near-tie only
+                verdict = check_greedy_consistency(
+                    difference["packaged_new"], difference["plain_new"],
+                    {difference["index"]: torch.tensor(difference["plain_logits"])}, getattr(torch, dtype),
+                )
+                assert verdict.consistent, (path, verdict)
+        if dtype == "float32":
+            assert facts[path]["identical"] == [True] * len(prompts), path

@@ -8,8 +8,10 @@ sit there too. Prints one JSON object of facts for the test to assert on.
 The spec: `package` (a folder written by `hf-selfspec package`, or null), `model` (a model
 directory without custom_generate/), `model_repo` (the same model with the package in it, as a
 directory or a Hub id found in the offline cache, or null),
-`prompts` (lists of token ids), `max_new_tokens`, and `check_other_dtype` (also decode in
-bfloat16, for which the package has no profile).
+`prompts` (lists of token ids), `max_new_tokens`, `check_other_dtype` (also decode in
+bfloat16, for which the package has no profile) and optionally `dtype` (the models', float32 by
+default). Where an output differs from plain's, plain's logits at the first difference come with
+it, for the test to judge a reduced-precision near-tie.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _importable(name: str) -> bool:
 
 
 def _decode(generate, prompts, max_new_tokens, **kwargs):
-    """Token ids and the strategy's drafted count (None when it decoded plainly) per prompt."""
+    """Token ids, the strategy's drafted count (None when it decoded plainly) and the raw logits
+    per prompt."""
     import torch
 
     results = []
@@ -59,11 +62,22 @@ def _decode(generate, prompts, max_new_tokens, **kwargs):
             do_sample=False,
             max_new_tokens=max_new_tokens,
             return_dict_in_generate=True,
+            output_logits=True,
             **kwargs,
         )
         stats = getattr(output, "strategy_stats", None)
-        results.append((output.sequences[0].tolist(), None if stats is None else stats.drafted_tokens))
+        results.append((output.sequences[0].tolist(), None if stats is None else stats.drafted_tokens, output.logits))
     return results
+
+
+def _first_difference(plain, packaged) -> dict | None:
+    """Where the packaged output first leaves plain's (a new-token index), with plain's logits there."""
+    new_plain, new_packaged = plain[0][-len(plain[2]):], packaged[0][-len(packaged[2]):]
+    index = next((i for i, (a, b) in enumerate(zip(new_plain, new_packaged)) if a != b), None)
+    if index is None:
+        return None
+    return {"index": index, "plain_new": new_plain, "packaged_new": new_packaged,
+            "plain_logits": plain[2][index].reshape(-1).float().tolist()}
 
 
 def _compare(model, generate, prompts, max_new_tokens, **kwargs) -> dict:
@@ -72,6 +86,7 @@ def _compare(model, generate, prompts, max_new_tokens, **kwargs) -> dict:
     packaged = _decode(generate, prompts, max_new_tokens, **kwargs)
     return {
         "identical": [p[0] == q[0] for p, q in zip(plain, packaged)],
+        "differences": [_first_difference(p, q) for p, q in zip(plain, packaged)],
         "drafted": [q[1] for q in packaged],
         "class_kept": type(model) is plain_class,
     }
@@ -87,14 +102,15 @@ def main(spec_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     prompts, new_tokens, package = spec["prompts"], spec["max_new_tokens"], spec["package"]
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
     if package:
         facts["custom_generate"] = _compare(
             model, model.generate, prompts, new_tokens, custom_generate=package, trust_remote_code=True
         )
     if spec["model_repo"]:
         repo_model = AutoModelForCausalLM.from_pretrained(
-            spec["model_repo"], dtype=torch.float32, trust_remote_code=True
+            spec["model_repo"], dtype=dtype, trust_remote_code=True
         ).eval()
         facts["model_repo"] = _compare(repo_model, repo_model.generate, prompts, new_tokens)
         # `model.generate(input_ids)`: the ids arrive positionally, `model` by keyword

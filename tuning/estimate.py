@@ -49,7 +49,7 @@ from hf_selfspec.drafters import (
 )
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
-from hf_selfspec.layer_skip import LayerSkipper, decoder_layers
+from hf_selfspec.layer_skip import SkippingDecoder, decoder_layers
 from hf_selfspec.measure import timed, timed_generate
 from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy
@@ -226,22 +226,21 @@ def calibrate(
             cache.rollback(kv_length)
             drafter.rollback(kv_length)
 
-        try:
-            run()  # untimed: an adapter's first draft also takes in the committed text
-            return _typical(run, model.device) / _CALIBRATION_TOKENS
-        finally:
-            drafter.close()
+        run()  # untimed: an adapter's first draft also takes in the committed text
+        return _typical(run, model.device) / _CALIBRATION_TOKENS
 
     def skipping(attn_skip: Sequence[int], mlp_skip: Sequence[int]) -> float:
-        drafter = LayerSkipDrafter(model, cache, LayerSkipper(model, attn_skip, mlp_skip))
+        drafter = LayerSkipDrafter(model, cache, SkippingDecoder(model, attn_skip, mlp_skip))
         return seconds_per_draft_token(drafter, cache)
 
     def adapter_draft(path: str) -> float:
-        # A prefill of its own with the drafter listening, so that the adapter's attention spans
-        # the committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
+        # A prefill of its own handed to the drafter, so that the adapter's attention spans the
+        # committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
         own_cache = DraftAwareCache(model.config)
         drafter = ShallowExitDrafter(model, own_cache, load_adapter(model, path))
-        _forward(model, text[None, :kv_length], 0, own_cache, 1)
+        layer = drafter.verification_hidden_state()
+        prefill = _forward(model, text[None, :kv_length], 0, own_cache, 1, output_hidden_states=[layer])
+        drafter.verified(prefill.hidden_states[layer])
         drafter.rollback(kv_length)
         return seconds_per_draft_token(drafter, own_cache)
 
@@ -313,25 +312,15 @@ def _committed_kv_mask(model, data: TeacherForcedPrompt) -> torch.Tensor | dict[
     return model_attention_mask(model.config, visible, query_positions, key_positions, model.dtype)
 
 
-def _keep_outputs_of(layer: torch.nn.Module, kept: list[torch.Tensor]):
-    """Append the hidden states `layer` outputs on every forward to `kept`; returns the hook's handle."""
-    return layer.register_forward_hook(
-        lambda module, args, output: kept.append(output[0] if isinstance(output, tuple) else output)
-    )
-
-
 def _shallow_states(model, data: TeacherForcedPrompt, exit_layer: int) -> torch.Tensor:
     """`[1, kv_length, hidden]`: the output of layer `exit_layer - 1` over the text, which is what
     a real decode's verifications hand an adapter for committed tokens. Kept per exit layer, so
     the trials that choose the same adapter share one pass."""
     if exit_layer not in data.shallow_states:
-        kept: list[torch.Tensor] = []
-        hook = _keep_outputs_of(decoder_layers(model)[exit_layer - 1], kept)
-        try:
-            model.get_decoder()(input_ids=data.full_text[None, :-1], use_cache=False)
-        finally:
-            hook.remove()
-        data.shallow_states[exit_layer] = kept[0]
+        outputs = model.get_decoder()(
+            input_ids=data.full_text[None, :-1], use_cache=False, output_hidden_states=[exit_layer]
+        )
+        data.shallow_states[exit_layer] = outputs.hidden_states[exit_layer]
     return data.shallow_states[exit_layer]
 
 
@@ -370,35 +359,27 @@ def _adapter_drafts_past_misses(
     committed = torch.arange(data.kv_length, device=device)
     sees_text = committed[None, :] <= data.prompt_length + rows[:, None]  # up to the wrong guess's input
     own_branch = torch.eye(len(misses), dtype=torch.bool, device=device)
-    layers = decoder_layers(model)
-    above = tuple(range(adapter.shape.exit_layer, len(layers)))
-    skipper, shallow = LayerSkipper(model, above, above), []
-    hook = _keep_outputs_of(layers[adapter.shape.exit_layer - 1], shallow)
+    above = tuple(range(adapter.shape.exit_layer, len(decoder_layers(model))))
+    shallow_layers = SkippingDecoder(model, above, above)
     tokens = torch.tensor([guesses[row] for row in misses], device=device)
     key_positions, drafted = [committed], [[] for _ in misses]
     try:
-        with skipper.drafting(data.cache):
-            for step in range(1, depth + 1):
-                positions = data.prompt_length + rows + step
-                key_positions.append(positions)
-                visible = torch.cat([sees_text, own_branch.repeat(1, step)], dim=1)
-                model.get_decoder()(
-                    input_ids=tokens[None],
-                    position_ids=positions[None],
-                    **cache_keyword(data.cache),
-                    use_cache=True,
-                    attention_mask=model_attention_mask(
-                        model.config, visible, positions, torch.cat(key_positions), model.dtype
-                    ),
-                )
-                hidden = adapter(shallow.pop(), positions[None], adapter_cache, additive_mask(visible, model.dtype))
-                best = torch.softmax(head.subset_logits(hidden[0]).float(), dim=-1).max(dim=-1)
-                tokens = head.token_ids[best.indices]
-                for branch, token, confidence in zip(drafted, tokens.tolist(), best.values.tolist()):
-                    branch.append((token, confidence))
+        for step in range(1, depth + 1):
+            positions = data.prompt_length + rows + step
+            key_positions.append(positions)
+            visible = torch.cat([sees_text, own_branch.repeat(1, step)], dim=1)
+            shallow = shallow_layers.hidden_states(
+                tokens[None],
+                positions[None],
+                data.cache,
+                attention_mask=model_attention_mask(model.config, visible, positions, torch.cat(key_positions), model.dtype),
+            )
+            hidden = adapter(shallow, positions[None], adapter_cache, additive_mask(visible, model.dtype))
+            best = torch.softmax(head.subset_logits(hidden[0]).float(), dim=-1).max(dim=-1)
+            tokens = head.token_ids[best.indices]
+            for branch, token, confidence in zip(drafted, tokens.tolist(), best.values.tolist()):
+                branch.append((token, confidence))
     finally:
-        hook.remove()
-        skipper.close()
         data.cache.rollback(data.kv_length)
     return dict(zip(misses, drafted))
 
@@ -407,20 +388,12 @@ def _layer_skip_hidden(model, data: TeacherForcedPrompt, params: SelfSpecParams)
     """The skipped model's final hidden state after each committed continuation token, from one
     pass over the continuation that reads the full model's KV for the text before each token."""
     continuation = data.full_text[None, data.prompt_length : -1]
-    inputs = {
-        "input_ids": continuation,
-        "position_ids": torch.arange(data.prompt_length, data.kv_length, device=continuation.device)[None],
-        **cache_keyword(data.cache),
-        "use_cache": True,
-        "attention_mask": _committed_kv_mask(model, data),
-    }
-    skipper = LayerSkipper(model, params.attn_skip_layers, params.mlp_skip_layers)
+    positions = torch.arange(data.prompt_length, data.kv_length, device=continuation.device)[None]
+    decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)
     try:
-        with skipper.drafting(data.cache):
-            return model.get_decoder()(**inputs).last_hidden_state[0]
+        return decoder(continuation, positions, data.cache, attention_mask=_committed_kv_mask(model, data))[0]
     finally:
         data.cache.rollback(data.kv_length)
-        skipper.close()
 
 
 @dataclass(frozen=True)

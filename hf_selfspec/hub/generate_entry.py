@@ -9,31 +9,21 @@ package: its relative imports resolve only among the copied modules.
 
 from __future__ import annotations
 
-from .bundled_profiles import PROFILES
-from .mixin import SelfSpecMixin, enabled_class
+from .bundled_profiles import FILES_DIR, PROFILES
+from .mixin import generate_with_strategy, transformers_class
 from .profiles import PROFILE_KEY, read_profiles
 
 
-def generate(*args, model, **kwargs):
-    """`hf_selfspec.enable(model).generate(*args, **kwargs)`, for this call only.
+def generate(*args, model, strategy=None, **kwargs):
+    """`hf_selfspec.enable(model).generate(*args, **kwargs)`, without touching the model.
 
     `model` is keyword-only: a model repo binds it with `functools.partial`, so a user's
-    positional input ids arrive in `args`. The model's class is swapped back afterwards, so its
-    plain `generate` stays plain; one already enabled by an installed hf_selfspec is swapped from
-    its transformers class, as two mixins would each plan the call. The profiles packaged with
-    this file are lent to a generation config that has none.
+    positional input ids arrive in `args`. Nothing is set on the model, its class included, as
+    other threads may be decoding with it; a model already enabled by an installed hf_selfspec
+    decodes through its transformers class, as two mixins would each plan the call. The profiles
+    packaged with this file serve a model whose generation config has none; the files they name
+    are the package's (`FILES_DIR`: the folder, or addresses in its Hub repository).
     """
-    original_class = type(model)
-    transformers_class = next(cls for cls in original_class.__mro__ if not hasattr(cls, "_plan_strategy"))
-    config = model.generation_config
-    lend_profiles = not read_profiles(config)
-    if lend_profiles:
-        setattr(config, PROFILE_KEY, PROFILES)
-    model.__class__ = enabled_class(transformers_class)
-    try:
-        # Named explicitly: a model repo's `model.generate` is this function again.
-        return SelfSpecMixin.generate(model, *args, **kwargs)
-    finally:
-        model.__class__ = original_class
-        if lend_profiles:
-            delattr(config, PROFILE_KEY)
+    plain = transformers_class(model).generate.__get__(model)
+    lent = (read_profiles({PROFILE_KEY: PROFILES}), FILES_DIR)
+    return generate_with_strategy(model, plain, args, kwargs, strategy, lent_profiles=lent)

@@ -125,13 +125,15 @@ def _read_config(path: Path) -> tuple[dict[str, Any], list[str]]:
     return data, files
 
 
-def _bundled_profiles_source(profiles: dict[str, TunedProfile]) -> str:
+def _bundled_profiles_source(profiles: dict[str, TunedProfile], files_dir: Path | None) -> str:
     literal = pprint.pformat({key: profile.to_json() for key, profile in sorted(profiles.items())}, width=110)
     return (
         '"""Written by `hf-selfspec package`: the packaged generation_config.json\'s tuned profiles, which\n'
         "`generate.py` lends to a model whose own generation config has none (transformers hands it the\n"
-        'model, not the repository it came from, and copies only Python files)."""\n\n'
-        f"PROFILES = {literal}\n"
+        'model, not the repository it came from, and copies only Python files), and the folder their\n'
+        'file names are relative to (None where they are Hub addresses)."""\n\n'
+        f"PROFILES = {literal}\n\n"
+        f"FILES_DIR = {str(files_dir) if files_dir is not None else None!r}\n"
     )
 
 
@@ -150,7 +152,7 @@ def bundled_profiles_for_repository(folder: str | Path, repo_id: str) -> str:
         )
         for key, profile in profiles.items()
     }
-    return _bundled_profiles_source(addressed)
+    return _bundled_profiles_source(addressed, None)
 
 
 def _requirements() -> str:
@@ -245,7 +247,9 @@ def package(config_path: str | Path, output_dir: str | Path) -> PackageResult:
         for name in modules:
             shutil.copyfile(CORE_DIR / f"{name}.py", target / f"{name}.py")
         profiles = read_profiles_file(config_file)  # as transformers will load it
-        (target / f"{BUNDLED_PROFILES_MODULE}.py").write_text(_bundled_profiles_source(profiles), encoding="utf-8")
+        (target / f"{BUNDLED_PROFILES_MODULE}.py").write_text(
+            _bundled_profiles_source(profiles, output_dir.resolve()), encoding="utf-8"
+        )
         (target / REQUIREMENTS_NAME).write_text(_requirements(), encoding="utf-8")
         _write_card(output_dir / CARD_NAME, _card_section(profiles))
     except OSError as error:
