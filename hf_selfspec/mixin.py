@@ -192,13 +192,13 @@ class SelfSpecMixin(GenerationMixin):
     def _plan_strategy(
         self, strategy: str | Strategy | None, explicit: dict[str, Any], args: tuple, kwargs: dict[str, Any]
     ) -> StrategyPlan | None:
-        if strategy is None or strategy == PLAIN:
-            if explicit:
-                raise ValueError(
-                    f"{sorted(explicit)[0]} only applies under a strategy; pass strategy= one of "
-                    f"{', '.join(available_strategies())}"
-                )
         profile = None if strategy == PLAIN else profile_for_model(self)
+        # Under a tuned profile, a parameter alone overrides the profile's value of it.
+        if explicit and (strategy == PLAIN or (strategy is None and profile is None)):
+            raise ValueError(
+                f"{sorted(explicit)[0]} only applies under a strategy; pass strategy= one of "
+                f"{', '.join(available_strategies())}"
+            )
         if strategy == PLAIN or (strategy is None and profile is None):
             return None
         config = _call_generation_config(self, args, kwargs)
