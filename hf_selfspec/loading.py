@@ -80,10 +80,13 @@ def load_model_and_tokenizer(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .embedded import load_embedded
+    from .inputs import existing_file
     from .mixin import enable
     from .profiles import use_generation_config_file
 
     dtype = parse_dtype(dtype)
+    if generation_config is not None:
+        generation_config = existing_file(generation_config, "generation_config")
     if model == EMBEDDED:
         if gguf_file is not None:
             raise ValueError("--gguf-file applies to a directory or Hub id, not to the embedded model")
@@ -94,10 +97,7 @@ def load_model_and_tokenizer(
         tokenizer = AutoTokenizer.from_pretrained(model, **extra)
         loaded = enable(settle_auto_dtype(loaded) if dtype == AUTO else loaded)
     if generation_config is not None:
-        path = Path(generation_config)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such generation_config.json")
-        use_generation_config_file(loaded, path)
+        use_generation_config_file(loaded, generation_config)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return loaded, tokenizer

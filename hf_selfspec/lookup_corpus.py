@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from .adapter import HUB_ADDRESS_PREFIX, adapter_files, existing_adapter_files, fetch_hub_file_pair
+from .files import save_tensor_file_pair
+from .inputs import read_text_file
 
 CORPUS_FORMAT = "hf-selfspec-lookup-corpus/1"
 SEPARATOR = -1
@@ -100,20 +102,13 @@ class LookupCorpus:
 
 def save_lookup_corpus(texts: list[list[int]], path: str | Path, vocab_size: int, description: str) -> Path:
     """Write the texts and what they are, each through a temporary file renamed into place."""
-    from safetensors.torch import save_file
-
+    if not any(texts):
+        # Nothing to look up in: a profile naming such a file would only fail to decode.
+        raise ValueError(f"{path}: no text to write as a lookup corpus; give its config prompts to continue")
     tokens_path, about_path = adapter_files(path)
-    tokens_path.parent.mkdir(parents=True, exist_ok=True)
-    corpus = LookupCorpus(texts)
-    staging = tokens_path.with_name(tokens_path.name + ".tmp")
-    save_file({"token_ids": corpus.tokens.to(torch.int32)}, str(staging))
-    staging.replace(tokens_path)
     about = {"format": CORPUS_FORMAT, "vocab_size": vocab_size, "texts": len(texts),
              "tokens": sum(len(t) for t in texts), "description": description}
-    staging = about_path.with_name(about_path.name + ".tmp")
-    staging.write_text(json.dumps(about, indent=2) + "\n")
-    staging.replace(about_path)
-    return tokens_path
+    return save_tensor_file_pair(tokens_path, {"token_ids": LookupCorpus(texts).tokens.to(torch.int32)}, about_path, about)
 
 
 def read_corpus_description(path: str | Path) -> dict:
@@ -121,7 +116,7 @@ def read_corpus_description(path: str | Path) -> dict:
     lookup corpus at all before a model is loaded."""
     _, about_path = existing_adapter_files(path, what="lookup corpus")
     try:
-        about = json.loads(about_path.read_text())
+        about = json.loads(read_text_file(about_path))
     except json.JSONDecodeError as error:
         raise ValueError(f"{about_path}: not valid JSON ({error})") from None
     if not isinstance(about, dict) or about.get("format") != CORPUS_FORMAT:
@@ -144,8 +139,13 @@ def _read_lookup_corpus(tokens_path: str, modified_ns: int, vocab_size: int) -> 
         tokens = load_file(tokens_path)["token_ids"]
     except (SafetensorError, OSError, KeyError) as error:
         raise ValueError(f"{tokens_path}: cannot read the corpus's token ids ({error})") from None
-    if tokens.numel() and int(tokens.max()) >= vocab_size:
-        raise ValueError(f"{tokens_path}: holds token id {int(tokens.max())}, outside the model's vocabulary")
+    if tokens.dim() != 1 or tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{tokens_path}: token_ids must be one row of integers, got {tokens.dtype} of shape {tuple(tokens.shape)}")
+    if not bool((tokens != SEPARATOR).any()):
+        raise ValueError(f"{tokens_path}: holds no tokens; write the corpus again from a config with prompts")
+    if int(tokens.max()) >= vocab_size or int(tokens.min()) < SEPARATOR:
+        bad = int(tokens.max()) if int(tokens.max()) >= vocab_size else int(tokens.min())
+        raise ValueError(f"{tokens_path}: holds token id {bad}, outside the model's vocabulary")
     return LookupCorpus(tokens)
 
 

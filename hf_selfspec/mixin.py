@@ -244,18 +244,19 @@ def _plan_strategy(
     kwargs: dict[str, Any],
     lent_profiles: tuple[Mapping[str, TunedProfile], str | None] | None,
 ) -> StrategyPlan | None:
-    if strategy is None or strategy == PLAIN:
-        if explicit:
-            raise ValueError(
-                f"{sorted(explicit)[0]} only applies under a strategy; pass strategy= one of "
-                f"{', '.join(available_strategies())}"
-            )
     profile, profile_dir = None, None
     if strategy != PLAIN:
         profile = profile_for_model(model)
         if profile is None and lent_profiles is not None:
             profile, profile_dir = profile_for_model(model, lent_profiles[0]), lent_profiles[1]
-    if strategy == PLAIN or (strategy is None and profile is None):
+    plain = strategy == PLAIN or (strategy is None and profile is None)
+    # Under a tuned profile, a parameter alone overrides the profile's value of it.
+    if explicit and plain:
+        raise ValueError(
+            f"{sorted(explicit)[0]} only applies under a strategy; pass strategy= one of "
+            f"{', '.join(available_strategies())}"
+        )
+    if plain:
         return None
     config = _call_generation_config(model, args, kwargs)
     reason = _unsupported(config, args, kwargs)

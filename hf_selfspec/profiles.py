@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from .adapter import existing_adapter_files
+from .inputs import InputError, read_text_file
 from .params import PATH_KEYS, check_param_types
 
 PROFILE_KEY = "self_speculative"
@@ -88,15 +89,16 @@ def read_profiles(generation_config: Any) -> dict[str, TunedProfile]:
     return {key: parse_profile(value, f"generation_config.{PROFILE_KEY}[{key!r}]") for key, value in raw.items()}
 
 
-def read_config_json(path: Path) -> dict[str, Any]:
-    """A `generation_config.json` as written, as a dict; a `ValueError` naming the file if it is not
-    a JSON object (an `OSError` if it cannot be read)."""
+def read_config_json(path: Path, what: str = "") -> dict[str, Any]:
+    """A `generation_config.json` as written, as a dict; an `InputError` (a `ValueError`) naming
+    the file (after `what`, an option's name) if it cannot be read or is not a JSON object."""
+    named = f"{what} {path}" if what else str(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_file(path, what))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+        raise InputError(f"{named}: not valid JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: must hold a JSON object")
+        raise InputError(f"{named}: must hold a JSON object")
     return data
 
 

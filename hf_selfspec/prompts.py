@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .inputs import read_text_file
+
 HUMANEVAL = "humaneval"
 WORKLOAD = "workload"
 WORKLOAD_CATEGORIES = (
@@ -84,18 +86,15 @@ def _parse_line(row: Any, path: Path, lineno: int) -> Prompt:
 
 def read_jsonl_prompts(path: str | Path) -> list[Prompt]:
     path = Path(path)
-    if not path.is_file():
-        raise PromptFileError(f"{path}: no such prompt file")
     prompts = []
-    with path.open(encoding="utf-8") as lines:
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise PromptFileError(f"{path}:{lineno}: not valid JSON ({error.msg})") from None
-            prompts.append(_parse_line(row, path, lineno))
+    for lineno, line in enumerate(read_text_file(path, "prompt file").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PromptFileError(f"{path}:{lineno}: not valid JSON ({error.msg})") from None
+        prompts.append(_parse_line(row, path, lineno))
     if not prompts:
         raise PromptFileError(f"{path}: holds no prompts")
     return prompts

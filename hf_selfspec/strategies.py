@@ -91,6 +91,11 @@ class Strategy:
             if assistant_model is not None:
                 raise ValueError("draft_alternatives needs the model's own draft, not an assistant_model")
             check_hand_built_masks_supported(model, "draft_alternatives", "use draft_alternatives=0")
+            vocab_size = model.get_output_embeddings().weight.shape[0]
+            if params.draft_alternatives >= vocab_size:
+                raise ValueError(
+                    f"draft_alternatives ({params.draft_alternatives}) must be below the model's vocabulary size ({vocab_size})"
+                )
         if assistant_model is not None:
             drafter: Drafter = AssistantDrafter(assistant_model)
         elif self.needs_draft_adapter and not params.draft_adapter:
@@ -111,11 +116,31 @@ class Strategy:
     ) -> SpeculationParts:
         if assistant_model is not None and not self.accepts_assistant_model:
             raise ValueError(f"strategy {self.name!r} drafts with the model itself and does not take assistant_model")
+        if assistant_model is not None:
+            check_assistant(model, assistant_model)
         return SpeculationParts(
             drafter=self.build_drafter(model, params, cache, assistant_model),
             exit_policy=self.build_exit_policy(params),
             gate=self.build_gate(params),
             backoff=self.build_backoff(params),
+        )
+
+
+def _vocabulary_size(model: object) -> int | None:
+    head = model.get_output_embeddings() if isinstance(model, nn.Module) and hasattr(model, "get_output_embeddings") else None
+    return head.weight.shape[0] if head is not None else None
+
+
+def check_assistant(model: nn.Module, assistant_model: object) -> None:
+    """An assistant drafts token ids that the model verifies: it must be a language model with
+    the model's vocabulary (as transformers' own assisted decoding requires)."""
+    size = _vocabulary_size(assistant_model)
+    if size is None:
+        raise ValueError(f"assistant_model must be a loaded causal language model, got {type(assistant_model).__name__}")
+    if size != _vocabulary_size(model):
+        raise ValueError(
+            f"assistant_model has a vocabulary of {size} tokens, the model {_vocabulary_size(model)}: "
+            "an assistant must share the model's tokenizer"
         )
 
 

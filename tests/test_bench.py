@@ -352,7 +352,7 @@ def test_malformed_prompt_file_names_its_line(tmp_path, capsys, content, message
     ("flags", "message"),
     [
         (["--model", "{tmp}/broken.json"], "--model {tmp}/broken.json: not a directory"),
-        (["--config", "{tmp}/missing.json"], "--config {tmp}/missing.json: cannot read it"),
+        (["--config", "{tmp}/missing.json"], "--config {tmp}/missing.json: no such file"),
         (["--config", "{tmp}/broken.json"], "--config {tmp}/broken.json: not valid JSON"),
         (["--output", "{tmp}/broken.json"], "--output {tmp}/broken.json: cannot create it"),
     ],

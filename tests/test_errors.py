@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, SynthIDTextWatermarkingConfig
@@ -158,3 +160,126 @@ def test_skip_forwards_are_removed_even_when_generation_fails(model):
     for index in (2, 3):
         assert "forward" not in model.model.layers[index].self_attn.__dict__
         assert "forward" not in model.model.layers[index].mlp.__dict__
+
+
+# Issue 35: inputs that answered with a traceback, or a good input that was refused.
+
+
+def test_an_assistant_with_another_vocabulary_is_named(model):
+    with pytest.raises(ValueError, match="assistant_model has a vocabulary of 128 tokens, the model 96"):
+        _generate(model, strategy="target_confidence_gated", assistant_model=tiny_model("llama", vocab_size=128))
+
+
+def test_an_assistant_that_is_not_a_model_is_named(model):
+    with pytest.raises(ValueError, match="assistant_model must be a loaded causal language model, got str"):
+        _generate(model, strategy="target_confidence_gated", assistant_model="junk")
+
+
+@pytest.mark.parametrize("name", ["typo.json", "."])
+def test_load_embedded_refuses_a_profile_file_that_is_not_there(tmp_path, monkeypatch, name):
+    def no_model_load():
+        raise AssertionError("the model loaded before its generation_config was checked")
+
+    monkeypatch.setattr(embedded, "converted_model_dir", no_model_load)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"generation_config {name}: (no such file|is a directory)"):
+        embedded.load_embedded(generation_config=name)
+
+
+def test_draft_alternatives_at_the_vocabulary_size_is_named(model):
+    with pytest.raises(ValueError, match=r"draft_alternatives \(96\) must be below the model's vocabulary size \(96\)"):
+        _generate(model, draft_alternatives=96)
+
+
+def _save_adapter_for(model, directory):
+    from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
+
+    return save_adapter(DraftAdapter(model, AdapterShape.for_model(model, 1)), directory / "adapter")
+
+
+def test_an_adapter_with_nan_weights_is_refused_when_read(model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hf_selfspec.adapter import read_adapter
+
+    weights = _save_adapter_for(model, tmp_path)
+    save_file({name: torch.full_like(t, float("nan")) for name, t in load_file(str(weights)).items()}, str(weights))
+    with pytest.raises(ValueError, match="holds NaN or infinite weights"):
+        read_adapter(model, weights)
+
+
+def test_an_adapter_description_with_a_boolean_exit_layer_is_refused(model, tmp_path):
+    import json
+
+    from hf_selfspec.adapter import adapter_files, read_adapter_shape
+
+    weights = _save_adapter_for(model, tmp_path)
+    description = adapter_files(weights)[1]
+    description.write_text(json.dumps({**json.loads(description.read_text()), "exit_layer": True}))
+    with pytest.raises(ValueError, match="exit_layer must be an integer, got True"):
+        read_adapter_shape(weights)
+
+
+def test_saved_files_are_as_readable_as_the_umask_allows(model, tmp_path):
+    import os
+
+    from hf_selfspec.adapter import adapter_files
+    from hf_selfspec.lookup_corpus import save_lookup_corpus
+
+    previous = os.umask(0o022)
+    try:
+        files = [*adapter_files(_save_adapter_for(model, tmp_path))]
+        files += adapter_files(save_lookup_corpus([[1, 2, 3]], tmp_path / "corpus", 96, "test"))
+    finally:
+        os.umask(previous)
+    assert {oct(file.stat().st_mode & 0o777) for file in files} == {oct(0o644)}
+
+
+@pytest.mark.parametrize(
+    "token_ids, message",
+    [
+        (torch.tensor([3, 4, -1, -7, 5, -1], dtype=torch.int32), "holds token id -7, outside"),
+        (torch.tensor([3.0, 4.0, -1.0]), "must be one row of integers"),
+        (torch.tensor([[3, 4], [5, -1]], dtype=torch.int32), "must be one row of integers"),
+        (torch.tensor([-1], dtype=torch.int32), "holds no tokens"),
+    ],
+)
+def test_a_corrupt_lookup_corpus_is_refused_when_loaded(model, tmp_path, token_ids, message):
+    from safetensors.torch import save_file
+
+    from hf_selfspec.lookup_corpus import load_lookup_corpus, save_lookup_corpus
+
+    path = save_lookup_corpus([[1, 2, 3]], tmp_path / "corpus", 96, "test")
+    save_file({"token_ids": token_ids}, str(path))
+    with pytest.raises(ValueError, match=message):
+        load_lookup_corpus(model, path)
+
+
+def test_an_empty_lookup_corpus_is_not_written(tmp_path):
+    from hf_selfspec.lookup_corpus import save_lookup_corpus
+
+    with pytest.raises(ValueError, match="no text to write as a lookup corpus"):
+        save_lookup_corpus([], tmp_path / "corpus", 96, "nothing")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_parameter_alone_overrides_the_active_profile(model):
+    """The README: keywords win over the profile. Without strategy=, the profile's strategy runs
+    with the keyword's value instead of its own."""
+    from hf_selfspec.profiles import PROFILE_KEY
+
+    profile = {"strategy": "self_speculative", "params": {"attn_skip_layers": [1], "mlp_skip_layers": [2]}}
+    own = model.generation_config
+    model.generation_config = copy.deepcopy(own)
+    setattr(model.generation_config, PROFILE_KEY, {"cpu/float32": profile})
+    try:
+        plain = model.generate(PROMPT, max_new_tokens=8, do_sample=False, strategy="plain")
+        overridden = model.generate(
+            PROMPT, max_new_tokens=8, do_sample=False, prompt_lookup_tokens=3, return_dict_in_generate=True
+        )
+        assert overridden.sequences.tolist() == plain.tolist()
+        assert overridden.strategy_stats.strategy == "self_speculative"
+        with pytest.raises(ValueError, match=f"attn_skip_layers has layer index {NUM_LAYERS} out of range"):
+            model.generate(PROMPT, max_new_tokens=3, attn_skip_layers=[NUM_LAYERS])
+    finally:
+        model.generation_config = own

@@ -48,7 +48,7 @@ def test_every_shipped_study_config_loads(path):
         ("[prompts]\nmax_new_tokens = true\n", "prompts.max_new_tokens", "must be an integer"),
         ("[prompts]\nn_prompts = 0\n", "prompts.n_prompts", "at least 1"),
         ('[model]\ndtype = "int8"\n', "model.dtype", "unknown dtype"),
-        ('[model]\ndevice = "gpu"\n', "model.device", "not a torch device"),
+        ('[model]\ndevice = "gpu"\n', "model.device", "not a device torch knows"),
         ('[prompts]\nsource = "missing.jsonl"\n', "prompts.source", "neither"),
         ('[search]\nstrategy = "fastest"\n', "search.strategy", "must be one of"),
         ("[search]\ntarget_acceptance = [0.5, 0.9]\n", "search.target_acceptance", "does not read it"),

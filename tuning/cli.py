@@ -32,6 +32,7 @@ def _reporting(command: str):
         def run(args: argparse.Namespace) -> int:
             from hf_selfspec.embedded import EmbeddedModelMissing
             from hf_selfspec.hub.package import PackageError
+            from hf_selfspec.inputs import InputError
             from hf_selfspec.prompts import PromptFileError
 
             handler = logging.StreamHandler(sys.stderr)
@@ -41,7 +42,7 @@ def _reporting(command: str):
             tuning_logger.setLevel(logging.INFO)
             try:
                 return func(args)
-            except (TuningError, PackageError, PromptFileError, EmbeddedModelMissing) as error:
+            except (TuningError, PackageError, PromptFileError, InputError, EmbeddedModelMissing) as error:
                 print(f"hf-selfspec {command}: error: {error}", file=sys.stderr)
                 return 2
             except ModuleNotFoundError as error:
@@ -75,7 +76,9 @@ def _dashboard(args: argparse.Namespace) -> int:
     from .dashboard import serve
     from .storage import resolve_storage_url
 
-    serve(resolve_storage_url(args.storage), args.host, args.port)
+    if not 0 < args.port < 65536:
+        raise TuningError(f"--port {args.port}: not a port number; give one from 1 to 65535")
+    serve(resolve_storage_url(args.storage, create=False), args.host, args.port)
     return 0
 
 
@@ -86,7 +89,7 @@ def _export(args: argparse.Namespace) -> int:
     from .export import export_profile
     from .storage import resolve_storage_url
 
-    result = export_profile(resolve_storage_url(args.storage), args.study, args.output)
+    result = export_profile(resolve_storage_url(args.storage, create=False), args.study, args.output)
     profiles = read_profiles_file(result.path)
     measured = result.profile.measured
     print(

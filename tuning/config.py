@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hf_selfspec.adapter import adapter_files, read_adapter, read_adapter_shape
+from hf_selfspec.inputs import InputError, model_name, read_text_file, usable_device
 from hf_selfspec.lookup_corpus import read_corpus_description
-from hf_selfspec.loading import AUTO, EMBEDDED, parse_dtype
+from hf_selfspec.loading import AUTO, EMBEDDED, load_model_and_tokenizer, parse_dtype
 from hf_selfspec.prompts import HELD_OUT_SPLIT, HUMANEVAL, TUNE_SPLIT, WORKLOAD
 from hf_selfspec.strategies import resolve_strategy
 
@@ -41,6 +40,14 @@ class ModelConfig:
     gguf_file: str | None = None
     dtype: str = AUTO
     device: str = "cpu"
+
+    def load(self):
+        """`(model, tokenizer)`; a name that is neither a model directory nor a Hub id this
+        machine can fetch fails in one line naming the [model] section."""
+        try:
+            return load_model_and_tokenizer(self.name, self.gguf_file, self.dtype, self.device)
+        except (OSError, ValueError) as error:
+            raise StudyConfigError(f"cannot load [model] name {self.name!r}: {' '.join(str(error).split())}") from None
 
 
 @dataclass(frozen=True)
@@ -164,12 +171,18 @@ def _model(reader: _Reader) -> ModelConfig:
     except ValueError as error:
         raise reader.error("model.dtype", str(error)) from None
     device = reader.get(table, "model", "device", str, defaults.device)
+    name = reader.get(table, "model", "name", str, defaults.name)
+    # Checked now, so that a typo stops the command before a model loads or a study starts.
     try:
-        torch.device(device)
-    except RuntimeError:
-        raise reader.error("model.device", f"not a torch device: {device!r} (cpu, cuda, cuda:1, mps, ...)") from None
+        usable_device(device, "")
+    except InputError as error:
+        raise reader.error("model.device", str(error).strip()) from None
+    try:
+        name = model_name(name, "")
+    except InputError as error:
+        raise reader.error("model.name", str(error).strip()) from None
     return ModelConfig(
-        name=reader.get(table, "model", "name", str, defaults.name),
+        name=name,
         gguf_file=reader.get(table, "model", "gguf_file", str, None),
         dtype=dtype,
         device=device,
@@ -367,19 +380,25 @@ def _study(reader: _Reader) -> StudySettings:
     return settings
 
 
-def load_study_config(path: str | Path) -> StudyConfig:
+def read_toml_config(path: str | Path, sections: set[str] | dict, what: str = "config") -> _Reader:
+    """A config file parsed strictly: unknown sections are errors, and so is a file that is
+    missing, a directory, not UTF-8 or not TOML, each in one line naming the file."""
     path = Path(path)
     try:
-        with path.open("rb") as file:
-            data = tomllib.load(file)
-    except FileNotFoundError:
-        raise StudyConfigError(f"{path}: no such study config") from None
+        data = tomllib.loads(read_text_file(path, what))
+    except InputError as error:
+        raise StudyConfigError(str(error)) from None
     except tomllib.TOMLDecodeError as error:
         raise StudyConfigError(f"{path}: not valid TOML ({error})") from None
     reader = _Reader(path, data)
     for section in data:
-        if section not in _SECTIONS:
-            raise reader.error(section, f"unknown section; a study config has {', '.join(f'[{s}]' for s in _SECTIONS)}")
+        if section not in sections:
+            raise reader.error(section, f"unknown section; this {what} has {', '.join(f'[{s}]' for s in sections)}")
+    return reader
+
+
+def load_study_config(path: str | Path) -> StudyConfig:
+    reader = read_toml_config(path, _SECTIONS, "study config")
     return StudyConfig(model=_model(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader))
 
 

@@ -6,6 +6,7 @@ The note is what a person opening the dashboard needs before any plot: what was 
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +15,7 @@ from optuna.trial import TrialState
 
 from hf_selfspec.params import SelfSpecParams
 
+from . import TuningError
 from .categories import describe_categories, is_feasible
 from .storage import StudyContext, display_url, open_storage
 
@@ -154,6 +156,18 @@ def serve(storage_url: str, host: str, port: int) -> None:
     """Serve the dashboard until interrupted (optuna-dashboard's own server, on our storage)."""
     from optuna_dashboard import run_server
 
+    _check_port_free(host, port)
     storage = open_storage(storage_url)
     print(f"Dashboard for {display_url(storage_url)} at http://{host}:{port}/ (Ctrl-C to stop)", flush=True)
     run_server(storage, host=host, port=port)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Bind the address once, so that a port in use, or a host that is not this machine's, is
+    one line before the server starts (its own failure comes after its start-up banner)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+    except OSError as error:
+        raise TuningError(f"cannot listen on {host}:{port} ({error.strerror or error}); pick another --port or --host") from None

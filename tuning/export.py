@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_selfspec.adapter import AdapterConflictError, adapter_digest, copy_adapter
+from hf_selfspec.inputs import InputError, output_directory
 from hf_selfspec.loading import EMBEDDED
 from hf_selfspec.profiles import TunedProfile, read_config_json, write_profile
 
@@ -143,12 +144,13 @@ def best_profile(study, context: StudyContext) -> TunedProfile:
 
 
 def export_profile(storage_url: str, study_name: str, output_dir: str | Path) -> ExportResult:
+    try:
+        output_dir = output_directory(output_dir, "--output")
+    except InputError as error:
+        raise ExportError(str(error)) from None
     study = load_existing_study(storage_url, study_name)
     context = StudyContext.load(study)
     profile = best_profile(study, context)
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ExportError(f"--output {output_dir} is a file; give the directory to write {CONFIG_NAME} into")
     path = output_dir / CONFIG_NAME
     data = _read_existing(path) if path.is_file() else _model_generation_config(context)
     # transformers drops every key it does not know, our profiles included, when it loads a

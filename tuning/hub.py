@@ -16,7 +16,7 @@ from hf_selfspec.hub.package import (
     bundled_profiles_for_repository,
     check_package_folder,
 )
-from hf_selfspec.profiles import profile_files, read_profiles_file
+from hf_selfspec.profiles import profile_files, read_config_json, read_profiles_file
 
 from . import TuningError
 from .export import CONFIG_NAME
@@ -50,8 +50,10 @@ def push_config(
     from huggingface_hub import CommitOperationAdd
 
     path = Path(config_path)
-    if not path.is_file():
-        raise PushError(f"{path}: no such file; write it with `hf-selfspec export`")
+    try:
+        read_config_json(path, "--config")  # missing, a directory, not text, not JSON: said plainly
+    except ValueError as error:
+        raise PushError(str(error)) from None
     profiles, named_files = _profiles_to_push(path)
     operations = [CommitOperationAdd(path_in_repo=CONFIG_NAME, path_or_fileobj=path.read_bytes())]
     for name in named_files:

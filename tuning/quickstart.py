@@ -13,6 +13,7 @@ from pathlib import Path
 
 import optuna
 
+from hf_selfspec.inputs import output_directory
 from hf_selfspec.loading import EMBEDDED
 from hf_selfspec.prompts import HUMANEVAL
 
@@ -43,13 +44,14 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
     from hf_selfspec.prompts import encode_prompt, load_prompts
     from hf_selfspec.strategies import PLAIN
 
+    output = output_directory(output, "--output")  # refused now, not after minutes of tuning
+    storage_url = resolve_storage_url(storage_url)
     print(
         f"1/3  Tuning the embedded model for {n_trials} estimated trials on {QUICKSTART_CONFIG.prompts.n_prompts} "
         "HumanEval prompts, then measuring the best 2 by real decoding "
         "(the full search is `hf-selfspec tune studies/smollm2-135m.toml`).",
         flush=True,
     )
-    storage_url = resolve_storage_url(storage_url)
     storage = open_storage(storage_url)
     existing = optuna.get_all_study_names(storage)
     for name in (QUICKSTART_CONFIG.study.name, estimated_study_name(QUICKSTART_CONFIG.study.name)):

@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.storages import RDBStorage
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, NoSuchModuleError, ProgrammingError
 
 from hf_selfspec.embedded import EMBEDDED_NAME
 from hf_selfspec.loading import EMBEDDED
@@ -36,17 +36,47 @@ SCHEMA_RACE_ATTEMPTS = 5
 logger = logging.getLogger(__name__)
 
 
-def resolve_storage_url(url: str | None) -> str:
-    """The URL with a relative SQLite path made absolute and its directory created."""
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def resolve_storage_url(url: str | None, create: bool = True) -> str:
+    """The URL with a relative SQLite path made absolute and, with `create`, its directory
+    created; every storage a command is given passes here, so that a bad one stops the command
+    in one line before a model loads. Without `create` (commands that only read studies), a
+    SQLite file must exist: opening a mistyped path would create an empty database there."""
+    example = "e.g. sqlite:///studies/optuna.db or postgresql+psycopg2://user:pass@host/db"
     try:
         parsed = make_url(url or DEFAULT_STORAGE)
+        parsed.get_dialect()
+    except NoSuchModuleError:  # an ArgumentError too: caught first
+        raise TuningError(f"storage {url}: no database driver {parsed.drivername!r} is installed; {example}") from None
     except ArgumentError:
-        raise TuningError(f"{url!r} is not a storage URL; e.g. sqlite:///studies/optuna.db") from None
+        raise TuningError(f"storage {url!r} is not a storage URL; {example}") from None
     if parsed.drivername.startswith("sqlite") and parsed.database not in (None, "", ":memory:"):
         path = Path(parsed.database).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _check_sqlite_file(path, create)
         parsed = parsed.set(database=str(path))
     return parsed.render_as_string(hide_password=False)
+
+
+def _check_sqlite_file(path: Path, create: bool) -> None:
+    if path.is_dir():
+        raise TuningError(f"storage {path}: is a directory; name the database file in it")
+    if path.is_file():
+        try:
+            with path.open("rb") as file:
+                header = file.read(len(SQLITE_HEADER))
+        except OSError as error:
+            raise TuningError(f"storage {path}: cannot read it ({error.strerror or error})") from None
+        if header and header != SQLITE_HEADER:
+            raise TuningError(f"storage {path}: not a SQLite database; name the studies' database file")
+        return
+    if not create:
+        raise TuningError(f"storage {path}: no such database; name the one `hf-selfspec tune` wrote")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TuningError(f"storage {path}: cannot create its directory ({error.strerror or error})") from None
 
 
 def display_url(url: str) -> str:
@@ -96,8 +126,8 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
             raise TuningError(
                 f"cannot open {display_url(url)}: {error} (for PostgreSQL: pip install psycopg2-binary)"
             ) from None
-        except OperationalError as error:
-            raise TuningError(f"cannot open {display_url(url)}: {error.orig}") from None
+        except DatabaseError as error:  # a server that refuses, a file that is not a database
+            raise TuningError(f"cannot open {display_url(url)}: {' '.join(str(error.orig).split())}") from None
 
 
 def model_label(model: ModelConfig) -> str:
@@ -217,6 +247,11 @@ class StudyContext:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         ]
         missing = [name for name in required if name not in attrs]
+        if missing and not study.get_trials(deepcopy=False):
+            raise TuningError(
+                f"study {study.study_name!r} has no trials: its tune stopped before the first; run "
+                "`hf-selfspec tune` with its config again to resume it"
+            )
         if missing:
             raise TuningError(
                 f"study {study.study_name!r} was not made by `hf-selfspec tune` (it lacks {', '.join(missing)})"
@@ -227,7 +262,12 @@ class StudyContext:
         """Refuse to resume a study that measured something else under the same name."""
         if not study.user_attrs:
             return
-        stored = StudyContext.load(study)
+        try:
+            stored = StudyContext.load(study)
+        except TuningError:
+            if study.get_trials(deepcopy=False):
+                raise
+            return  # its creator stopped while saving the context; this run saves it whole
         for key in self.IDENTITY:
             if getattr(stored, key) != getattr(self, key):
                 if key == "lookup_corpus_digest":

@@ -30,7 +30,6 @@ import logging
 import os
 import sysconfig
 import textwrap
-import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -41,10 +40,10 @@ from tqdm.auto import tqdm
 
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, adapter_files, check_exit_layer, save_adapter
 from hf_selfspec.embedded import cache_root
+from hf_selfspec.inputs import file_stem
 from hf_selfspec.layer_skip import decoder_layers
-from hf_selfspec.loading import load_model_and_tokenizer
 
-from .config import ModelConfig, StudyConfigError, _model, _Reader
+from .config import ModelConfig, StudyConfigError, _model, _Reader, read_toml_config
 
 logger = logging.getLogger(__name__)
 
@@ -107,22 +106,6 @@ class TrainAdapterConfig:
 _MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions")
 
 
-def read_toml_config(path: str | Path, sections: set[str]) -> _Reader:
-    """A config file parsed strictly (the study config's rules: unknown sections are errors)."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise StudyConfigError(f"{path}: no such config") from None
-    except tomllib.TOMLDecodeError as error:
-        raise StudyConfigError(f"{path}: not valid TOML ({error})") from None
-    reader = _Reader(path, data)
-    for section in data:
-        if section not in sections:
-            raise reader.error(section, f"unknown section; this config has {', '.join(sorted(sections))}")
-    return reader
-
-
 def read_section(reader: _Reader, section: str, cls):
     """One section as the dataclass `cls`, each key typed after its default (unknown keys are errors)."""
     table = reader.section(section, {f.name for f in dataclasses.fields(cls)})
@@ -167,17 +150,21 @@ def read_corpus(reader: _Reader) -> CorpusConfig:
 
 def load_train_config(path: str | Path) -> TrainAdapterConfig:
     """Parse a train-adapter TOML file strictly (unknown sections and keys are errors)."""
-    reader = read_toml_config(path, {"model", "corpus", "adapter", "training"})
+    reader = read_toml_config(path, {"model", "corpus", "adapter", "training"}, "train-adapter config")
     corpus, adapter, training = read_corpus(reader), read_section(reader, "adapter", AdapterConfig), read_section(reader, "training", TrainingConfig)
     for key in ("steps", "batch_chunks", "eval_every", "checkpoint_every"):
         if getattr(training, key) < 1:
             raise reader.error(f"training.{key}", f"must be positive, got {getattr(training, key)}")
     if not training.lr > 0:
         raise reader.error("training.lr", f"must be positive, got {training.lr}")
+    if training.vocab_size < 0:
+        raise reader.error("training.vocab_size", f"must be 0 (the whole vocabulary) or positive, got {training.vocab_size}")
     try:
-        adapter.name.format(exit_layer=0)
+        file_stem(adapter.name.format(exit_layer=0), "")
     except (KeyError, IndexError, ValueError):
-        raise reader.error("adapter.name", "may use only the {exit_layer} placeholder") from None
+        raise reader.error(
+            "adapter.name", f"must be a file name without a directory, using only the {{exit_layer}} placeholder, got {adapter.name!r}"
+        ) from None
     return TrainAdapterConfig(reader.path, _model(reader), corpus, adapter, training)
 
 
@@ -504,10 +491,13 @@ def train_exit_layer(model, config: TrainAdapterConfig, teacher: TeacherOutputs,
 
 
 def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True) -> list[tuple[int, Path, float]]:
-    model, tokenizer = load_model_and_tokenizer(
-        config.model.name, config.model.gguf_file, config.model.dtype, config.model.device
-    )
+    model, tokenizer = config.model.load()
     model.requires_grad_(False)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if config.training.vocab_size > vocab_size:
+        raise StudyConfigError(
+            f"{config.path}: training.vocab_size: {config.training.vocab_size} exceeds the model's vocabulary of {vocab_size}"
+        )
     num_layers = len(decoder_layers(model))
     for exit_layer in config.adapter.exit_layers:
         try:

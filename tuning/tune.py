@@ -165,20 +165,19 @@ def run_tune(
     holds the config's trial budget of finished trials (counted over all workers). An estimated
     study then measures its `confirm_top` best trials for real in the config's measured study."""
     from hf_selfspec.layer_skip import decoder_layers
-    from hf_selfspec.loading import load_model_and_tokenizer
     from hf_selfspec.profiles import device_profile_key
     from hf_selfspec.strategies import available_strategies
 
     storage_url = resolve_storage_url(storage_url or config.study.storage)
+    # Opened before the model loads, so an unreachable server costs seconds, not a model load.
+    storage = open_storage(storage_url, config.study.heartbeat_interval, config.study.grace_period)
     if config.search.strategy not in available_strategies():
         raise TuningError(f"strategy {config.search.strategy!r} is not available; have {available_strategies()}")
     try:
         prompts = select_study_prompts(config.prompts)
     except ValueError as error:
         raise TuningError(str(error)) from None
-    model, tokenizer = load_model_and_tokenizer(
-        config.model.name, config.model.gguf_file, config.model.dtype, config.model.device
-    )
+    model, tokenizer = config.model.load()
     num_layers = len(decoder_layers(model))
     device_key = device_profile_key(model.device, model.dtype)
     context = StudyContext(
@@ -211,7 +210,6 @@ def run_tune(
         except ValueError as error:
             raise TuningError(str(error)) from None
     measured_name = derive_study_name(config, device_key, len(prompts))
-    storage = open_storage(storage_url, config.study.heartbeat_interval, config.study.grace_period)
     study, created = create_or_load_study(
         storage,
         estimated_study_name(measured_name) if estimated else measured_name,
@@ -219,10 +217,13 @@ def run_tune(
         _pruner(config),
     )
     context.check_matches(study)
-    if created:
+    if created or not study.get_trials(deepcopy=False):
+        # With the study, at once: what it measures and the likeliest good trials. A worker
+        # killed in between leaves a study without trials, which the next run repairs here.
+        context.save(study)
         for params in warm_start_trials(config.search, num_layers):
-            study.enqueue_trial(params)
-    else:
+            study.enqueue_trial(params, skip_if_exists=True)
+    if not created:
         # The seed makes a fresh single-worker study reproducible. A worker joining or resuming
         # a study must not replay that random sequence, or it would repeat trials already run.
         study.sampler = _sampler(config, seed=None)

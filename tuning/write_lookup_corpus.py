@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_selfspec.adapter import adapter_files
-from hf_selfspec.loading import load_model_and_tokenizer
+from hf_selfspec.inputs import file_stem
 from hf_selfspec.lookup_corpus import save_lookup_corpus
 
-from .config import ModelConfig, _model
+from .config import ModelConfig, StudyConfigError, _model
 from .train_adapter import (
     CorpusConfig,
     split_stdlib_stream,
@@ -48,12 +48,18 @@ class LookupCorpusConfig:
 
 
 def load_lookup_corpus_config(path: str | Path) -> LookupCorpusConfig:
-    reader = read_toml_config(path, {"model", "corpus", "output"})
+    reader = read_toml_config(path, {"model", "corpus", "output"}, "lookup corpus config")
     corpus, output = read_corpus(reader), read_section(reader, "output", OutputConfig)
     if not corpus.generated_tokens:
         raise reader.error("corpus.generated_tokens", "must be positive: a lookup corpus is text the model wrote itself")
-    if not output.name or "/" in output.name:
-        raise reader.error("output.name", f"must be a file stem, got {output.name!r}")
+    if corpus.humaneval_from is None and not corpus.stdlib_prompts and not corpus.stdlib_functions:
+        raise reader.error(
+            "corpus", "gives the model no prompts to continue: set humaneval_from, stdlib_prompts or stdlib_functions"
+        )
+    try:
+        file_stem(output.name, "")
+    except ValueError as error:
+        raise reader.error("output.name", str(error)) from None
     return LookupCorpusConfig(reader.path, _model(reader), corpus, output)
 
 
@@ -74,9 +80,7 @@ def _describe(config: LookupCorpusConfig, texts: int) -> str:
 
 def run_write_lookup_corpus(config: LookupCorpusConfig, show_progress: bool = True) -> tuple[Path, str]:
     """Generate (or reuse) the continuations and write the corpus; `(file written, description)`."""
-    model, tokenizer = load_model_and_tokenizer(
-        config.model.name, config.model.gguf_file, config.model.dtype, config.model.device
-    )
+    model, tokenizer = config.model.load()
     _, windows = split_stdlib_stream(tokenizer, config.corpus)
     prompts = generation_prompts(tokenizer, config.corpus, windows)
     texts = generated_texts(
@@ -84,7 +88,10 @@ def run_write_lookup_corpus(config: LookupCorpusConfig, show_progress: bool = Tr
     )
     description = _describe(config, len(texts))
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    return save_lookup_corpus(texts, config.corpus_path, vocab_size, description), description
+    try:
+        return save_lookup_corpus(texts, config.corpus_path, vocab_size, description), description
+    except ValueError as error:
+        raise StudyConfigError(str(error)) from None
 
 
 def describe_result(path: Path, description: str) -> str:

@@ -7,7 +7,6 @@ matplotlib load when the command runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from importlib import resources
@@ -279,29 +278,13 @@ def bench_sampling(args: argparse.Namespace) -> Sampling | None:
 def check_config(path: str, flag: str = "--config") -> None:
     """Read a config and validate its tuned profiles before the model loads, so a typo costs
     a second rather than the minutes of loading a large model."""
-    from ..profiles import read_profiles
+    from ..profiles import read_config_json, read_profiles
 
+    data = read_config_json(Path(path), flag)
     try:
-        read_profiles(json.loads(Path(path).read_text(encoding="utf-8")))
-    except OSError as error:
-        raise ValueError(f"{flag} {path}: cannot read it ({error.strerror or error})") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{flag} {path}: not valid JSON ({error.msg} at line {error.lineno})") from None
+        read_profiles(data)
     except ValueError as error:
         raise ValueError(f"{flag} {path}: {error}") from None
-
-
-def check_model(name: str) -> str:
-    """A path-like `--model` (`/x`, `./x`, `../x`, `~/x`) must be a directory: otherwise transformers
-    takes it for a Hub id and answers with the Hub's naming rule. Returns it with `~` expanded."""
-    from ..loading import EMBEDDED
-
-    if name == EMBEDDED or not name.startswith(("/", ".", "~")):
-        return name
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"--model {name}: {'not a directory' if path.exists() else 'no such directory'}")
-    return str(path)
 
 
 def _default_config(model_name: str) -> str | None:
@@ -316,14 +299,9 @@ def _default_config(model_name: str) -> str | None:
 def _device(args: argparse.Namespace) -> str:
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device_type = torch.device(device).type
-    except RuntimeError:
-        raise ValueError(f"--device {device}: not a device torch knows, e.g. cpu, cuda or cuda:1") from None
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available in this torch build or on this machine")
-    return device
+    from ..inputs import usable_device
+
+    return usable_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _load_assistant(path: str, tokenizer, device: str, dtype):
@@ -355,7 +333,9 @@ def select_contenders(contenders: list, names: str | None) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from .. import available_strategies
+    from ..adapter import check_adapter_file, read_adapter
     from ..hub.package import check_package_folder
+    from ..inputs import model_name as model_name_input
     from ..loading import load_model_and_tokenizer
     from .benchmark import OUTPUT_FILES, run_benchmark
     from .contenders import HF_SELFSPEC, build_contenders, compared_profile_contender
@@ -366,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompts = bench_prompts(args)
         sampling = bench_sampling(args)
-        model_name = check_model(args.model)
+        model_name = model_name_input(args.model)
         config = args.config or _default_config(model_name)
         if config:
             check_config(config)
@@ -374,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
             check_config(compared, "--compare-config")
         if args.custom_generate:
             check_package_folder(args.custom_generate, "--custom-generate")
+        if args.draft_adapter:
+            check_adapter_file(args.draft_adapter, "--draft-adapter")
         device = _device(args)
         Path(args.output).mkdir(parents=True, exist_ok=True)
     except ValueError as error:  # PromptFileError included: its message names the file and line
@@ -392,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as error:
         return _fail(f"cannot load --assistant {args.assistant}: {error}")
     try:
+        if args.draft_adapter:
+            read_adapter(model, args.draft_adapter)  # fits this model, weights finite: before any timing
         contenders = select_contenders(
             build_contenders(
                 model,

@@ -101,14 +101,10 @@ def check_package_folder(folder: str | Path, option: str) -> None:
 
 def _read_config(path: Path) -> tuple[dict[str, Any], list[str]]:
     """The config's contents, and the files its profiles name (each found beside it)."""
-    if not path.is_file():
-        raise PackageError(f"--config {path}: no such file; write one with `hf-selfspec export`")
     try:
-        data = read_config_json(path)
+        data = read_config_json(path, "--config")
     except ValueError as error:
-        raise PackageError(f"--config {error}") from None
-    except OSError as error:
-        raise PackageError(f"--config {path}: cannot read it ({error.strerror or error})") from None
+        raise PackageError(str(error)) from None
     # Loading a config marked as derived from the model config drops every key transformers does
     # not know, the profiles included; with profiles in it, it no longer is.
     data.pop("_from_model_config", None)
