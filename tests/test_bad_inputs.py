@@ -180,7 +180,7 @@ def test_a_study_left_without_warm_start_or_context_is_repaired(tiny_llama_dir, 
     tune enqueues the warm-start trials and saves the context, as at creation."""
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     config = load_study_config(write_study_config(tmp_path / "study.toml", tiny_llama_dir, storage, n_prompts=1))
-    name = derive_study_name(config, "cpu/float32")
+    name = derive_study_name(config, "cpu/float32", 1)
     optuna.create_study(storage=storage, study_name=name, direction="maximize")
     with pytest.raises(TuningError, match="has no trials: its tune stopped before the first"):
         export_profile(storage, name, tmp_path / "out")

@@ -325,7 +325,9 @@ def test_a_path_like_model_that_does_not_exist_is_no_such_directory(tmp_path, ca
     model = model.format(tmp=tmp_path)
     assert main(["bench", "--model", model, *BENCH_FLAGS]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"hf-selfspec bench: error: --model {model}: no such directory"
+    assert err == (
+        f"hf-selfspec bench: error: --model {model}: no such directory; give a model directory, a Hub id or 'embedded'"
+    )
 
 
 @pytest.mark.parametrize(
