@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import ast
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tuning_helpers import kill_once_written
 
 from hf_selfspec.adapter import read_adapter
 from hf_selfspec.loading import load_model_and_tokenizer
 from tuning.config import StudyConfigError
-from tuning import train_adapter
+from tuning import model_text
 from tuning.train_adapter import (
     CorpusConfig, corpus_chunks, generated_texts, generation_prompts, humaneval_problems, load_train_config,
     run_train_adapter, split_stdlib_stream, stdlib_function_prompts,
@@ -47,14 +46,7 @@ def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_ll
     config = _config(tmp_path / "b", tiny_llama_dir)
     env = {**os.environ, "HF_SELFSPEC_CACHE": str(tmp_path / "cache-b"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "hf_selfspec.cli", "train-adapter", str(config), "--no-progress"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    checkpoints: list[Path] = []
-    while not checkpoints and process.poll() is None and time.monotonic() < deadline:
-        checkpoints = list((tmp_path / "cache-b").glob("adapter-training/*/exit2.checkpoint.pt"))
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    checkpoints = kill_once_written(command, env, tmp_path / "cache-b", "adapter-training/*/exit2.checkpoint.pt")
     assert checkpoints, "no checkpoint appeared before the run ended"
     assert torch.load(checkpoints[0])["step"] < STEPS  # it really was cut off
     assert not (tmp_path / "b" / "out" / "kangaroo-exit2.safetensors").exists()
@@ -133,7 +125,7 @@ def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prom
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
     chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
     prompts = generation_prompts(tokenizer, GENERATING, split_stdlib_stream(tokenizer, GENERATING)[1])
-    texts = generated_texts(model, tokenizer, prompts, GENERATING, tmp_path / "generated.pt", False)  # from the cache
+    texts = generated_texts(model, tokenizer, prompts, GENERATING.generated_tokens, tmp_path / "generated.pt", False)  # from the cache
     problems = humaneval_problems(160)
     assert len(texts) == len(problems) + GENERATING.stdlib_prompts + GENERATING.stdlib_functions
     for problem, text in zip(problems, texts):
@@ -150,7 +142,7 @@ def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prom
 
 def test_generation_resumes_from_the_batches_it_finished(tiny_llama_dir, tmp_path, monkeypatch):
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
-    monkeypatch.setattr(train_adapter, "_GENERATION_BATCH", 2)
+    monkeypatch.setattr(model_text, "GENERATION_BATCH", 2)
     first = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
     finished = torch.load(tmp_path / "generated.pt")
     torch.save(finished[:2], tmp_path / "generated.pt")  # as if killed after the first batch
@@ -165,12 +157,12 @@ def test_generation_batches_prompts_of_like_length_and_returns_them_in_prompt_or
     """A batch prefills every row at its longest prompt's width, so batches are cut from the
     prompts sorted by length; the texts still come back in the prompts' own order."""
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
-    monkeypatch.setattr(train_adapter, "_GENERATION_BATCH", 2)
+    monkeypatch.setattr(model_text, "GENERATION_BATCH", 2)
     prompts = [[5] * length for length in (9, 2, 7, 3, 11, 2)]
     widths = []
     generate = model.generate
     monkeypatch.setattr(model, "generate", lambda **kwargs: widths.append(kwargs["attention_mask"].sum(-1).tolist()) or generate(**kwargs))
-    texts = generated_texts(model, tokenizer, prompts, GENERATING, tmp_path / "generated.pt", False)
+    texts = generated_texts(model, tokenizer, prompts, GENERATING.generated_tokens, tmp_path / "generated.pt", False)
     assert widths == [[2, 2], [3, 7], [9, 11]]
     assert [text[: len(prompt)] for prompt, text in zip(prompts, texts)] == prompts
     for prompt, text in zip(prompts, texts):
@@ -212,7 +204,7 @@ def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_l
     assert f"wrote {written} and own-text.json" in capsys.readouterr().out
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
     prompts = generation_prompts(tokenizer, train.corpus, split_stdlib_stream(tokenizer, train.corpus)[1])
-    texts = generated_texts(model, tokenizer, prompts, train.corpus, generated, False)  # from the cache, in prompt order
+    texts = generated_texts(model, tokenizer, prompts, train.corpus.generated_tokens, generated, False)  # from the cache, in prompt order
     assert load_file(str(written))["token_ids"].tolist() == [t for text in texts for t in [*text, SEPARATOR]]
     about = read_corpus_description(written)
     assert about["texts"] == len(texts) == 8 and "HumanEval prompts 160 on" in about["description"]
@@ -220,7 +212,7 @@ def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_l
 
 @pytest.mark.parametrize(
     "corpus, words",
-    [("generated_tokens = 0", "corpus.generated_tokens: must be positive: a lookup corpus is text the model wrote"),
+    [("generated_tokens = 0", "corpus.generated_tokens: must be positive, or self_prompted must be: a lookup corpus is text"),
      ("humaneval_from = 20\ngenerated_tokens = 4", "corpus.humaneval_from: HumanEval problems below 40")],
 )
 def test_a_lookup_corpus_config_keeps_to_the_models_own_text_and_out_of_evaluation(tmp_path, corpus, words):

@@ -4,9 +4,11 @@ and a study that looks tuned without running a model."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -72,6 +74,20 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180)
     return subprocess.run(
         cli_command(*args), env=env or cli_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
     )
+
+
+def kill_once_written(command: list[str], env: dict[str, str], directory: Path, pattern: str) -> list[Path]:
+    """Start `command` and SIGKILL it as soon as a file matching `pattern` appears under
+    `directory` (as a power cut would, mid-work); the files that had appeared, none if it ended first."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    written: list[Path] = []
+    while not written and process.poll() is None and time.monotonic() < deadline:
+        written = list(directory.glob(pattern))
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return written
 
 
 def free_port() -> int:

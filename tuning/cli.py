@@ -247,12 +247,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the hidden state after the model's first exit_layer layers to the full model's next-token distribution, "
         "teacher-forced on a corpus of text that ships with the installed packages (the standard library's "
         "sources, optionally HumanEval problems 40 onwards) and, with generated_tokens, on the model's own "
-        "greedy continuations of HumanEval prompts and standard-library windows or functions. Writes NAME.safetensors and NAME.json into the "
+        "greedy continuations of HumanEval prompts and standard-library windows or functions; with self_prompted, "
+        "on conversations it writes itself (requests it samples with the chat's user turn opened, and its greedy "
+        "answers). Writes NAME.safetensors and NAME.json into the "
         "config's output_dir, beside the generation_config.json whose profile will name the file. The generated "
         "text, the model's pass over the corpus and a checkpoint every checkpoint_every steps are kept in the user cache, so a "
         "killed run resumes where it stopped and ends exactly as an uninterrupted one with the same seed.",
         epilog="Config sections (all optional): [model] name, dtype, device; [corpus] stdlib_tokens, "
-        "humaneval_from, generated_tokens, stdlib_prompts, stdlib_functions, prompt_tokens, chunk_tokens, heldout_fraction; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
+        "humaneval_from, generated_tokens, stdlib_prompts, stdlib_functions, prompt_tokens, chunk_tokens, heldout_fraction, "
+        "self_prompted, request_temperature, request_top_p, request_seed, max_request_tokens, answer_tokens, task_seeds; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
         "output_dir (relative to the config); [training] steps, batch_chunks, lr, seed, vocab_size, eval_every, "
         "checkpoint_every. Example: studies/tuned/smollm2-135m-instruct/kangaroo-train.toml",
     )
@@ -264,14 +267,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "write-lookup-corpus",
         help="write a lookup corpus (the model's own continuations) for prompt lookup to continue into",
         description="Let the model continue prompts that ship with the installed packages (HumanEval problems 40 "
-        "onwards, standard-library windows and functions cut after their docstring) greedily, and write what it "
-        "wrote as NAME.safetensors and NAME.json into the config's output_dir. A profile naming the file with "
+        "onwards, standard-library windows and functions cut after their docstring) greedily, and answer requests it "
+        "writes itself (self_prompted), and write what it wrote as NAME.safetensors and NAME.json into the config's output_dir. A profile naming the file with "
         "lookup_corpus (or a study with [search] lookup_corpus) then proposes, where the current text has no "
         "matching n-gram, what the model wrote after that n-gram elsewhere. The generated text is kept in the user "
         "cache batch by batch, so a killed run resumes, and a train-adapter config with the same [model] and "
         "[corpus] generates it once for both.",
         epilog="Config sections: [model] name, dtype, device; [corpus] as for train-adapter (generated_tokens "
-        "must be positive); [output] name, output_dir (relative to the config). Example: "
+        "or self_prompted must be positive); [output] name, output_dir (relative to the config). Example: "
         "studies/tuned/smollm2-135m-instruct/lookup-corpus.toml",
     )
     corpus.add_argument("config", type=Path, metavar="CONFIG.toml", help="corpus config")

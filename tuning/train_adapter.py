@@ -12,7 +12,9 @@ prompts are the chat bench's: neither can be selected. With `generated_tokens`, 
 part of its corpus itself: it continues the HumanEval prompts (instead of their canonical
 solutions being used) and `stdlib_prompts` windows of standard-library text greedily. A draft is
 judged on the model's own continuations, so that is the text it should learn; the generated
-text is cached batch by batch, so a killed run does not generate it again.
+text is cached batch by batch, so a killed run does not generate it again. With `self_prompted`,
+the model also writes conversations: requests it samples itself and its greedy answers
+(`tuning/self_prompted.py`), interleaved with the code text.
 
 Determinism: the adapter starts as a copy of the exit layer, batches are drawn from a generator
 seeded by (seed, epoch), and a checkpoint holds the adapter, the optimizer and the step, so a run
@@ -27,7 +29,6 @@ import gzip
 import hashlib
 import json
 import logging
-import os
 import sysconfig
 import textwrap
 from dataclasses import dataclass
@@ -43,12 +44,12 @@ from hf_selfspec.embedded import cache_root
 from hf_selfspec.inputs import file_stem
 from hf_selfspec.layer_skip import decoder_layers
 
-from .config import ModelConfig, StudyConfigError, _model, _Reader, read_toml_config
+from .config import _KIND_NAMES, ModelConfig, StudyConfigError, _model, _Reader, read_toml_config
+from .evaluation_texts import FIRST_TRAINABLE_HUMANEVAL
+from .model_text import atomic_save, generated_texts
+from .self_prompted import DEFAULT_TASK_SEEDS, KEYS as SELF_PROMPTED_KEYS, TASK_SEEDS, self_prompted_dir, self_prompted_texts
 
 logger = logging.getLogger(__name__)
-
-# HumanEval problems 0-39 are what the bench and the tuner score on.
-FIRST_TRAINABLE_HUMANEVAL = 40
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,17 @@ class CorpusConfig:
     stdlib_functions: int = 0
     chunk_tokens: int = 256
     heldout_fraction: float = 0.05
+    # Conversations the model writes itself (0: none; see `self_prompted`): this many requests
+    # sampled with the user turn opened (at `request_temperature` and `request_top_p`, from
+    # `request_seed`, at most `max_request_tokens` each), steered in turn by `task_seeds`, each
+    # answered greedily in up to `answer_tokens`.
+    self_prompted: int = 0
+    request_temperature: float = 1.0
+    request_top_p: float = 0.95
+    request_seed: int = 0
+    max_request_tokens: int = 64
+    answer_tokens: int = 192
+    task_seeds: tuple[str, ...] = DEFAULT_TASK_SEEDS
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,7 @@ class TrainAdapterConfig:
         return self.output_dir / (self.adapter.name.format(exit_layer=exit_layer) + ".safetensors")
 
 
-_MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions")
+_MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions", "self_prompted", "request_seed")
 
 
 def read_section(reader: _Reader, section: str, cls):
@@ -116,8 +128,9 @@ def read_section(reader: _Reader, section: str, cls):
             continue
         value = table[f.name]
         if isinstance(default, tuple):
-            if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                raise reader.error(f"{section}.{f.name}", f"must be a non-empty list of integers, got {value!r}")
+            kind = type(default[0])
+            if not isinstance(value, list) or not value or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+                raise reader.error(f"{section}.{f.name}", f"must be a non-empty list of {_KIND_NAMES[kind].split()[-1]}s, got {value!r}")
             values[f.name] = tuple(value)
         elif isinstance(default, bool):
             if not isinstance(value, bool):
@@ -139,13 +152,32 @@ def read_corpus(reader: _Reader) -> CorpusConfig:
         )
     if not 0 < corpus.heldout_fraction < 1:
         raise reader.error("corpus.heldout_fraction", f"must lie in (0, 1), got {corpus.heldout_fraction}")
-    for key in ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "prompt_tokens", "stdlib_functions", "chunk_tokens"):
+    for key in ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "prompt_tokens", "stdlib_functions", "chunk_tokens",
+                "self_prompted", "request_seed", "max_request_tokens", "answer_tokens"):
         if getattr(corpus, key) < (0 if key in _MAY_BE_ZERO else 1):
             raise reader.error(f"corpus.{key}", f"must be positive, got {getattr(corpus, key)}")
     for key in ("stdlib_prompts", "stdlib_functions"):
         if getattr(corpus, key) and not corpus.generated_tokens:
             raise reader.error(f"corpus.{key}", "needs generated_tokens > 0: the prompts are there to be continued")
+    _check_self_prompted(reader, corpus)
     return corpus
+
+
+def _check_self_prompted(reader: _Reader, corpus: CorpusConfig) -> None:
+    """The self-prompting keys: a sampling distribution, known task seeds, and no key set in vain."""
+    if not corpus.request_temperature > 0:
+        raise reader.error("corpus.request_temperature", f"must be positive, got {corpus.request_temperature}")
+    if not 0 < corpus.request_top_p <= 1:
+        raise reader.error("corpus.request_top_p", f"must lie in (0, 1], got {corpus.request_top_p}")
+    for name in corpus.task_seeds:
+        if name not in TASK_SEEDS:
+            raise reader.error("corpus.task_seeds", f"unknown task seed {name!r}; known: {', '.join(TASK_SEEDS)}")
+    if len(set(corpus.task_seeds)) < len(corpus.task_seeds):
+        raise reader.error("corpus.task_seeds", "names a task seed twice; list each once (they take turns)")
+    defaults = CorpusConfig()
+    for key in SELF_PROMPTED_KEYS[1:]:
+        if getattr(corpus, key) != getattr(defaults, key) and not corpus.self_prompted:
+            raise reader.error(f"corpus.{key}", "needs self_prompted > 0: it shapes the requests the model writes itself")
 
 
 def load_train_config(path: str | Path) -> TrainAdapterConfig:
@@ -235,48 +267,6 @@ def _stdlib_token_ids(tokenizer, tokens: int) -> list[int]:
     return [i for text in texts for i in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]][:tokens]
 
 
-# Measured on the 2-core CPUs in bfloat16, prompts unsorted (AMD EPYC): 148 / 190 / 214 / 210
-# generated tokens a second at batches of 16 / 32 / 64 / 128; sorted by length (Intel Xeon): 128
-# rows of 128 tokens in 56 s, two batches of 64 in 63 s.
-_GENERATION_BATCH = 128
-
-
-def generated_texts(model, tokenizer, prompts: list[list[int]], corpus: CorpusConfig, cache_file: Path, show_progress: bool) -> list[list[int]]:
-    """Each prompt followed by the model's greedy continuation (up to EOS or `generated_tokens`).
-
-    Prompts go in left-padded batches: on a CPU or GPU a batch costs far less than its sequences
-    one by one. The batches are cut from the prompts sorted by length, since a batch's prefill
-    runs every row at its longest prompt's width: unsorted, padding was most of the work (prompts
-    of 10 to 395 tokens, median 37). Finished batches are saved as they complete, in the order
-    they are generated, so a killed run resumes generating where it stopped.
-    """
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    by_length = [prompts[i] for i in order]
-    done: list[list[int]] = torch.load(cache_file) if cache_file.is_file() else []
-    done = done if by_length[: len(done)] == [text[: len(p)] for p, text in zip(by_length, done)] else []
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = range(len(done), len(by_length), _GENERATION_BATCH)
-    for start in tqdm(batches, desc="generating corpus", unit="batch", disable=None if show_progress else True):
-        batch = by_length[start : start + _GENERATION_BATCH]
-        width = max(len(p) for p in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
-        with torch.no_grad():
-            output = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=corpus.generated_tokens,
-                do_sample=False, pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id,
-            )
-        for prompt, row in zip(batch, output[:, width:].tolist()):
-            end = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
-            done.append(prompt + row[:end])
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_save(done, cache_file)
-    texts: list[list[int]] = [[] for _ in prompts]
-    for position, text in zip(order, done):
-        texts[position] = text
-    return texts
-
-
 def split_stdlib_stream(tokenizer, corpus: CorpusConfig) -> tuple[list[int], list[int]]:
     """One pass over the standard library: the teacher-forced text, then (when generating) the
     windows to continue, from beyond it so the two parts do not repeat each other."""
@@ -298,25 +288,61 @@ def generation_prompts(tokenizer, corpus: CorpusConfig, windows: list[int]) -> l
 def generated_text_file(model: ModelConfig, corpus: CorpusConfig) -> Path:
     """Where the model's continuations for this corpus are kept: one file per model and corpus,
     shared by every command that reads the same [model] and [corpus] (an adapter and a lookup
-    corpus made from one config generate once)."""
-    generation = {k: v for k, v in dataclasses.asdict(corpus).items() if k not in ("chunk_tokens", "heldout_fraction")}
+    corpus made from one config generate once). The self-prompted conversations are kept apart
+    (`self_prompted_dir`)."""
+    generation = {
+        k: v for k, v in dataclasses.asdict(corpus).items() if k not in ("chunk_tokens", "heldout_fraction", *SELF_PROMPTED_KEYS)
+    }
     key = hashlib.sha1(json.dumps([dataclasses.asdict(model), generation], sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "generated-text" / key / "generated.pt"
 
 
-def corpus_chunks(tokenizer, corpus: CorpusConfig, model=None, generated_file: Path | None = None, show_progress: bool = False) -> torch.Tensor:
-    """`[n, chunk_tokens]` token ids: `stdlib_tokens` of standard-library text, then the chosen
-    HumanEval problems (their canonical solutions, or with `generated_tokens` the model's own
-    continuations of their prompts), then the model's continuations of standard-library windows
-    and functions;
-    each text ended by EOS, concatenated and cut. Generation needs `model` and `generated_file`."""
-    ids, windows = split_stdlib_stream(tokenizer, corpus)
+def _interleave(first: list, second: list) -> list:
+    """Both lists merged, each spread evenly over the result in its own order, so that any stretch
+    of the corpus (the held-out chunks at its end among them) holds both kinds of text."""
+    placed = [((i + 0.5) / len(first), 0, i) for i in range(len(first))] + [((j + 0.5) / len(second), 1, j) for j in range(len(second))]
+    return [(first, second)[which][index] for _, which, index in sorted(placed)]
+
+
+def model_written_texts(
+    model, tokenizer, model_name: str, corpus: CorpusConfig, windows: list[int], generated_file: Path,
+    self_prompted_cache: Path, show_progress: bool,
+) -> list[list[int]]:
+    """Everything the model writes for the corpus, the one source of train-adapter's and
+    write-lookup-corpus's model text: its continuations of code prompts (with `generated_tokens`)
+    interleaved with the self-prompted conversations (with `self_prompted`)."""
+    code: list[list[int]] = []
     if corpus.generated_tokens:
         prompts = generation_prompts(tokenizer, corpus, windows)
-        texts = generated_texts(model, tokenizer, prompts, corpus, generated_file, show_progress)
-    else:
-        problems = humaneval_problems(corpus.humaneval_from) if corpus.humaneval_from is not None else []
-        texts = [tokenizer(problem["prompt"] + problem["canonical_solution"])["input_ids"] for problem in problems]
+        code = generated_texts(model, tokenizer, prompts, corpus.generated_tokens, generated_file, show_progress)
+    if not corpus.self_prompted:
+        return code
+    conversations = self_prompted_texts(model, tokenizer, model_name, corpus, self_prompted_cache, show_progress).texts
+    return _interleave(code, conversations)
+
+
+def corpus_chunks(
+    tokenizer, corpus: CorpusConfig, model=None, generated_file: Path | None = None, show_progress: bool = False,
+    model_config: ModelConfig = ModelConfig(),
+) -> torch.Tensor:
+    """`[n, chunk_tokens]` token ids: `stdlib_tokens` of standard-library text, then the chosen
+    HumanEval problems (their canonical solutions, or with `generated_tokens` the model's own
+    continuations of their prompts) and the model's continuations of standard-library windows
+    and functions, with the self-prompted conversations interleaved among them;
+    each text ended by EOS, concatenated and cut. Model text needs `model` and `generated_file`
+    (and `model_config`, which keys the conversations' cache)."""
+    ids, windows = split_stdlib_stream(tokenizer, corpus)
+    written = []
+    if corpus.generated_tokens or corpus.self_prompted:
+        written = model_written_texts(
+            model, tokenizer, model_config.name, corpus, windows, generated_file,
+            self_prompted_dir(model_config, corpus), show_progress,
+        )
+    canonical = []
+    if not corpus.generated_tokens and corpus.humaneval_from is not None:
+        problems = humaneval_problems(corpus.humaneval_from)
+        canonical = [tokenizer(problem["prompt"] + problem["canonical_solution"])["input_ids"] for problem in problems]
+    texts = _interleave(canonical, written)
     ids += [i for text in texts for i in text + [tokenizer.eos_token_id]]
     usable = len(ids) // corpus.chunk_tokens * corpus.chunk_tokens
     return torch.tensor(ids[:usable]).view(-1, corpus.chunk_tokens)
@@ -357,7 +383,7 @@ def teacher_outputs(model, chunks: torch.Tensor, exit_layers: tuple[int, ...], c
             hook.remove()
     outputs = TeacherOutputs(chunks, {e: torch.cat(v) for e, v in shallow.items()}, torch.cat(final))
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_save({"chunks": chunks, "shallow": outputs.shallow, "final": outputs.final}, cache_file)
+    atomic_save({"chunks": chunks, "shallow": outputs.shallow, "final": outputs.final}, cache_file)
     return outputs
 
 
@@ -372,12 +398,6 @@ def work_dir(config: TrainAdapterConfig) -> Path:
     ]
     key = hashlib.sha1(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "adapter-training" / key
-
-
-def _atomic_save(obj, path: Path) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    torch.save(obj, staging)
-    os.replace(staging, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,7 +501,7 @@ def train_exit_layer(model, config: TrainAdapterConfig, teacher: TeacherOutputs,
             adapter.train()
             logger.info("exit layer %d, step %d: loss %.4f, held-out top-1 agreement %.4f", exit_layer, step, loss_value, agreement)
         if step % training.checkpoint_every == 0 or step == training.steps:
-            _atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                           "agreement": agreement}, checkpoint)
         bar.set_postfix(loss=f"{loss_value:.3f}", heldout_top1=f"{agreement:.3f}")
         bar.update(1)
@@ -504,7 +524,9 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True) ->
             check_exit_layer(exit_layer, num_layers, f"{config.path}: adapter.exit_layers")
         except ValueError as error:
             raise StudyConfigError(str(error)) from None
-    chunks = corpus_chunks(tokenizer, config.corpus, model, generated_text_file(config.model, config.corpus), show_progress)
+    chunks = corpus_chunks(
+        tokenizer, config.corpus, model, generated_text_file(config.model, config.corpus), show_progress, config.model
+    )
     teacher = teacher_outputs(model, chunks, config.adapter.exit_layers, work_dir(config) / "teacher.pt", show_progress)
     results = []
     for exit_layer in config.adapter.exit_layers:

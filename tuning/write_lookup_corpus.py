@@ -1,9 +1,10 @@
 """`hf-selfspec write-lookup-corpus`: the model's own greedy continuations as a lookup corpus.
 
 The model continues prompts that ship with the installed packages (HumanEval problems from 40
-on, standard-library windows and functions: the [corpus] section of a train-adapter config,
-whose rules keep every evaluation prompt out), and what it wrote becomes the corpus that prompt
-lookup continues into when the current text has no match. A config that also trains an
+on, standard-library windows and functions) and answers requests it wrote itself (self_prompted):
+the [corpus] section of a train-adapter config, whose rules keep every evaluation prompt out.
+What it wrote becomes the corpus that prompt lookup continues into when the current text has no
+match. A config that also trains an
 adapter generates this text once for both (see `generated_text_file`).
 """
 
@@ -17,15 +18,15 @@ from hf_selfspec.inputs import file_stem
 from hf_selfspec.lookup_corpus import save_lookup_corpus
 
 from .config import ModelConfig, StudyConfigError, _model
+from .self_prompted import self_prompted_dir
 from .train_adapter import (
     CorpusConfig,
-    split_stdlib_stream,
     generated_text_file,
-    generated_texts,
-    generation_prompts,
+    model_written_texts,
     read_corpus,
     read_section,
     read_toml_config,
+    split_stdlib_stream,
 )
 
 
@@ -50,11 +51,15 @@ class LookupCorpusConfig:
 def load_lookup_corpus_config(path: str | Path) -> LookupCorpusConfig:
     reader = read_toml_config(path, {"model", "corpus", "output"}, "lookup corpus config")
     corpus, output = read_corpus(reader), read_section(reader, "output", OutputConfig)
-    if not corpus.generated_tokens:
-        raise reader.error("corpus.generated_tokens", "must be positive: a lookup corpus is text the model wrote itself")
-    if corpus.humaneval_from is None and not corpus.stdlib_prompts and not corpus.stdlib_functions:
+    if not corpus.generated_tokens and not corpus.self_prompted:
         raise reader.error(
-            "corpus", "gives the model no prompts to continue: set humaneval_from, stdlib_prompts or stdlib_functions"
+            "corpus.generated_tokens",
+            "must be positive, or self_prompted must be: a lookup corpus is text the model wrote itself",
+        )
+    if corpus.humaneval_from is None and not corpus.stdlib_prompts and not corpus.stdlib_functions and not corpus.self_prompted:
+        raise reader.error(
+            "corpus",
+            "gives the model no prompts to continue: set humaneval_from, stdlib_prompts, stdlib_functions or self_prompted",
         )
     try:
         file_stem(output.name, "")
@@ -65,26 +70,31 @@ def load_lookup_corpus_config(path: str | Path) -> LookupCorpusConfig:
 
 def _describe(config: LookupCorpusConfig, texts: int) -> str:
     corpus = config.corpus
-    sources = []
-    if corpus.humaneval_from is not None:
-        sources.append(f"HumanEval prompts {corpus.humaneval_from} on")
-    if corpus.stdlib_prompts:
-        sources.append(f"{corpus.stdlib_prompts} standard-library windows of {corpus.prompt_tokens} tokens")
-    if corpus.stdlib_functions:
-        sources.append(f"{corpus.stdlib_functions} standard-library functions cut after their docstring")
-    return (
-        f"{texts} prompts each followed by the greedy continuation (up to {corpus.generated_tokens} tokens) of "
-        f"{config.model.name} in {config.model.dtype}: {'; '.join(sources)}"
-    )
+    parts = []
+    if corpus.generated_tokens:
+        sources = []
+        if corpus.humaneval_from is not None:
+            sources.append(f"HumanEval prompts {corpus.humaneval_from} on")
+        if corpus.stdlib_prompts:
+            sources.append(f"{corpus.stdlib_prompts} standard-library windows of {corpus.prompt_tokens} tokens")
+        if corpus.stdlib_functions:
+            sources.append(f"{corpus.stdlib_functions} standard-library functions cut after their docstring")
+        parts.append(f"prompts each followed by the greedy continuation (up to {corpus.generated_tokens} tokens): {'; '.join(sources)}")
+    if corpus.self_prompted:
+        parts.append(
+            f"up to {corpus.self_prompted} requests the model wrote itself with the chat's user turn opened (task seeds "
+            f"{', '.join(corpus.task_seeds)}), each followed by its greedy answer (up to {corpus.answer_tokens} tokens)"
+        )
+    return f"{texts} texts written by {config.model.name} in {config.model.dtype}: {'; and '.join(parts)}"
 
 
 def run_write_lookup_corpus(config: LookupCorpusConfig, show_progress: bool = True) -> tuple[Path, str]:
-    """Generate (or reuse) the continuations and write the corpus; `(file written, description)`."""
+    """Generate (or reuse) the model's text and write the corpus; `(file written, description)`."""
     model, tokenizer = config.model.load()
     _, windows = split_stdlib_stream(tokenizer, config.corpus)
-    prompts = generation_prompts(tokenizer, config.corpus, windows)
-    texts = generated_texts(
-        model, tokenizer, prompts, config.corpus, generated_text_file(config.model, config.corpus), show_progress
+    texts = model_written_texts(
+        model, tokenizer, config.model.name, config.corpus, windows, generated_text_file(config.model, config.corpus),
+        self_prompted_dir(config.model, config.corpus), show_progress,
     )
     description = _describe(config, len(texts))
     vocab_size = model.get_output_embeddings().weight.shape[0]
