@@ -9,10 +9,9 @@ leave plain's path there. So in reduced precision a greedy output is *consistent
 plain's, or when, at the first token where it differs, plain's logit for its own token exceeds
 plain's logit for ours by at most `max_ulps` units in the last place of the logit dtype.
 
-Measured on SmolLM2-135M in bfloat16 (HumanEval 40-45, 48 tokens each, verified 8 at a time):
-one logit moves by at most 4 ulps between a verification and a one-token step, by 1 in the
-median; so a flip needs plain's gap within about twice that. `DEFAULT_MAX_ULPS` is 4, and the
-report gives the gap itself, so a reader can hold any run to a stricter bound.
+Between a verification and a one-token step a logit moves by a few ulps at most, so a flip
+needs plain's gap within about that. `DEFAULT_MAX_ULPS` is 4, and the report gives the gap
+itself, so a reader can hold any run to a stricter bound.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def _cpu_flags() -> set[str]:
 def has_native_bfloat16(device: str | torch.device) -> bool:
     """Whether bfloat16 matrix products run in hardware here.
 
-    On a CPU without bfloat16 dot products (AVX512-BF16 or AMX on x86, BF16 on Arm) torch
+    On a CPU without bfloat16 dot products (the avx512_bf16 or amx_bf16 flags on x86, bf16 on Arm) torch
     emulates them, several times slower than float32; with them, bfloat16 verifies a k-token
     draft for about the price of one token, which is what speculation needs.
     """

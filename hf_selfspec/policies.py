@@ -195,15 +195,13 @@ class ThroughputBackoff(Backoff):
 
     A loser that is close is probed sooner: a probe costs the margin by which the loser is slower,
     so waiting `margin / _PROBE_BUDGET` steps keeps the probes' cost near that budget. This is what
-    keeps free proposals paying in bfloat16, where a rejected verification costs ~5% more than a
-    plain step: a streak of rejections makes speculating lose by a few percent, and a wait of 16
-    to 64 steps then missed most of the repetitive stretches that follow (12% of the speed-up
-    lost on held-out HumanEval, as the bfloat16 issue measured), while probing every few steps
-    finds them at once.
+    keeps free proposals paying in bfloat16, where a rejected verification costs little more than
+    a plain step: a streak of rejections makes speculating lose by a few percent, and a wait of 16
+    to 64 steps then missed most of the repetitive stretches that follow, while probing every few
+    steps finds them at once.
     For the same reason the smoothing keeps about five steps of memory rather than two: free
     proposals pay in rare long accepted runs between many short rejections, and a two-step
-    memory forgot the runs and backed off. On HumanEval 20-31 (bfloat16, lookup only) memory of
-    two steps took 135 verifications where no back-off took 196; five steps took 175. On the
+    memory forgot the runs and backed off, verifying far fewer of the proposals that pay. On
     chat prompts the back-off still backs a layer-skip draft off early: its first measured
     steps already lose by half.
 
@@ -211,9 +209,7 @@ class ThroughputBackoff(Backoff):
     `_Throughput` says) before the two modes are first compared. One step says little: a draft
     accepted at 40% per token has its first token rejected more often than not, and judged by
     that step alone a draft that pays was backed off at the start of most texts, to be probed
-    back only slowly. On HumanEval 0-19 (bfloat16, Intel Xeon) the Kangaroo profile with lookup
-    measured 1.47x plain greedy so, 1.66x with four steps and 1.67x with eight; on the chat
-    prompts 0.99x, 0.97x and 1.01x (docs/kangaroo.md). A draft that loses at every step pays for
+    back only slowly (docs/results/ has the comparison). A draft that loses at every step pays for
     eight of them once.
     Lossless either way: it only decides whether to propose.
     """

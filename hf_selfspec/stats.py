@@ -65,8 +65,9 @@ class StrategyStats:
 
 def geometric_mean(values: Iterable[float]) -> float:
     """The geometric mean of speedups: the workload's one figure over its categories, for the
-    bench and the tuner alike. Each category counts once however many prompts it has, and 2x on
-    one with 0.5x on another averages to 1x where the arithmetic mean would claim 1.25x. A speedup
+    bench and the tuner alike. Each category counts once however many prompts it has, and twice
+    as fast on one with half as fast on another averages to even, where the arithmetic mean would
+    claim a gain. A speedup
     of 0 (a category that never finished) makes it 0; a negative or non-finite one is an error."""
     values = list(values)
     if not values:

@@ -8,10 +8,9 @@ teacher-forced drafts on HumanEval 20-39 (never trained or tuned on). Under gree
 adapter's drafts are exact there, so the counts are what a real decode drafts and accepts, on
 any machine and in float32 as well as bfloat16 (up to near-ties).
 
-Prices, in units of one plain decoding step, default to what the native-bfloat16 CPU measured
-(docs/kangaroo.md): a verification of two or more tokens costs `--verify-cost` steps, and a
-draft token `--draft-base + exit_layer * --draft-per-layer` steps (0.191 at exit layer 4, 0.32
-at exit layer 8). The prompt's prefill is left out of both sides. With `--draft-alternatives`,
+Prices, in units of one plain decoding step, default to what a native-bfloat16 CPU measured
+(docs/results/): a verification of two or more tokens costs `--verify-cost` steps, and a
+draft token `--draft-base + exit_layer * --draft-per-layer` steps. The prompt's prefill is left out of both sides. With `--draft-alternatives`,
 the draft's runner-ups are verified beside its chain; only settings whose widest verification
 stays within `--max-verify-rows` (what the verification price was measured for) are listed.
 """

@@ -2,11 +2,9 @@
 
 In float32 greedy decoding is deterministic, so whether a proposal is accepted depends only on
 plain greedy's tokens: replaying a drafter over them counts exactly the verifications a real
-run needs (for 10-token prompt lookup it gives transformers' own count, 752 on HumanEval
-20-39). Each verification is then priced with a measured bfloat16 cost curve (a forward over n
+run needs (for 10-token prompt lookup it gives transformers' own count). Each verification is then priced with a measured bfloat16 cost curve (a forward over n
 new tokens, relative to one token), which turns counts into the speedup they allow over all
-prompts, before any per-step overhead (transformers' 752 verifications price at 1.35x; it
-measured 1.38-1.44x).
+prompts, before any per-step overhead.
 
 Drafters replayed, alone and together:
 - prompt lookup (the earliest occurrence of the longest matching suffix n-gram), as shipped;

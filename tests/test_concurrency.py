@@ -203,10 +203,10 @@ def test_threads_sharing_the_embedded_model_with_its_default_profile(tmp_path):
             assert output == plain[tuple(prompt[0].tolist())]
 
 
-def test_the_readme_streams_a_strategy_from_a_thread(shared):
+def test_the_manual_streams_a_strategy_from_a_thread(shared):
     model, tokenizer, _, _ = shared
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("### Serving from threads") :]
+    usage = (Path(__file__).parent.parent / "docs" / "usage.md").read_text()
+    section = usage[usage.index("## Serving from threads") :]
     snippet = section[section.index("```python\n") + len("```python\n") : section.index("\n```", section.index("```python"))]
     namespace = {"model": model, "tokenizer": tokenizer}
     exec(snippet, namespace)

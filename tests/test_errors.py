@@ -264,7 +264,7 @@ def test_an_empty_lookup_corpus_is_not_written(tmp_path):
 
 
 def test_a_parameter_alone_overrides_the_active_profile(model):
-    """The README: keywords win over the profile. Without strategy=, the profile's strategy runs
+    """docs/usage.md: keywords win over the profile. Without strategy=, the profile's strategy runs
     with the keyword's value instead of its own."""
     from hf_selfspec.profiles import PROFILE_KEY
 

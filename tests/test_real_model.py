@@ -42,7 +42,7 @@ STRATEGY_KWARGS = {
     "kangaroo_alternatives": {"strategy": "kangaroo", "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
                               "draft_alternatives": 2,
                               "draft_adapter": "kangaroo-exit1.safetensors"},
-    # Kangaroo alone as tuned on a CPU with AMX: six-token drafts, three runner-ups each (25 rows).
+    # Kangaroo alone as tuned where wide verifications are cheap: six-token drafts, three runner-ups each (25 rows).
     "kangaroo_alone_profile": {"strategy": ALONE_PROFILE.strategy, **ALONE_PROFILE.params},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,

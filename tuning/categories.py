@@ -140,6 +140,6 @@ def is_feasible(trial: optuna.trial.FrozenTrial) -> bool:
 
 
 def describe_categories(attrs: dict[str, Any]) -> str:
-    """`conversation 1.05x, translation 2.40x, ...` from a trial's user attributes, or ''."""
+    """`<category> <speedup>x, ...` from a trial's user attributes, or ''."""
     speedups = attrs.get("category_speedups") or {}
     return ", ".join(f"{name} {speedup:.2f}x" for name, speedup in speedups.items())

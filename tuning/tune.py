@@ -303,7 +303,7 @@ def _confirm(storage, measured_name: str, estimated: optuna.Study, context: Stud
 
 
 def _below_floor(trial: optuna.trial.FrozenTrial) -> str:
-    """`math 0.91x, qa 0.97x below the category floor`, for an infeasible trial."""
+    """`<category> <speedup>x, ... below the category floor`, for an infeasible trial."""
     below = trial.user_attrs.get("below_category_floor") or {}
     return ", ".join(f"{name} {speedup:.2f}x" for name, speedup in below.items()) + " below the category floor"
 
