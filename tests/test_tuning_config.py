@@ -31,12 +31,32 @@ def test_shipped_configs_load_and_target_the_embedded_model_on_cpu():
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "studies").glob("*.toml")), ids=lambda path: path.name)
 def test_every_shipped_study_config_loads(path):
     """A study the docs tell users to run must not stop at its first line: loading reads every
-    key and finds every adapter and lookup corpus it names (an adapter retired from
-    studies/tuned/ while a study still lists it fails here)."""
+    key and finds every adapter and lookup corpus it names (an adapter retired from the package's
+    hf_selfspec/data/tuned/ while a study still lists it fails here)."""
     config = load_study_config(path)
     assert (config.model.name, config.model.device) == ("embedded", "cpu")
     for name, weights in config.search.draft_adapters.items():
-        assert Path(weights).parent.parent == (REPO_ROOT / "studies" / "tuned").resolve(), name
+        assert Path(weights).parent.parent == (REPO_ROOT / "hf_selfspec" / "data" / "tuned").resolve(), name
+
+
+SHIPPED_PROFILES = REPO_ROOT / "hf_selfspec" / "data" / "tuned" / "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "studies" / SHIPPED_PROFILES.name).glob("*.toml")), ids=lambda path: path.name)
+def test_every_shipped_recipe_writes_over_the_file_the_package_ships(path):
+    """The recipes that made the shipped adapters and lookup corpora live in studies/, their
+    output in the package: rerunning one must replace the shipped file, not leave a stray copy."""
+    from hf_selfspec.tuning.train_adapter import load_train_config
+    from hf_selfspec.tuning.write_lookup_corpus import load_lookup_corpus_config
+
+    if "[adapter]" in path.read_text(encoding="utf-8"):
+        config = load_train_config(path)
+        outputs = [config.adapter_path(exit_layer) for exit_layer in config.adapter.exit_layers]
+    else:
+        outputs = [load_lookup_corpus_config(path).corpus_path]
+    for output in outputs:
+        assert output.parent == SHIPPED_PROFILES.resolve()
+        assert output.is_file(), output
 
 
 @pytest.mark.parametrize(

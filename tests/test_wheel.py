@@ -30,3 +30,6 @@ def test_the_wheel_holds_only_hf_selfspec_with_the_tuner_and_the_hub_entry_insid
         "hf_selfspec/data/tuned/smollm2-135m-instruct/own-code.json",
     ]:
         assert needed in names
+    # Every shipped profile file, each a real file in the package folder that the wheel copies.
+    shipped = (REPO_ROOT / "hf_selfspec" / "data" / "tuned").rglob("*")
+    assert {path.relative_to(REPO_ROOT).as_posix() for path in shipped if path.is_file()} <= set(names)

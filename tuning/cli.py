@@ -257,7 +257,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "humaneval_from, generated_tokens, stdlib_prompts, stdlib_functions, prompt_tokens, chunk_tokens, heldout_fraction, "
         "self_prompted, request_temperature, request_top_p, request_seed, max_request_tokens, answer_tokens, task_seeds; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
         "output_dir (relative to the config); [training] steps, batch_chunks, lr, seed, vocab_size, eval_every, "
-        "checkpoint_every. Example: studies/tuned/smollm2-135m-instruct/kangaroo-train.toml",
+        "checkpoint_every. Example: studies/smollm2-135m-instruct/kangaroo-train.toml",
     )
     train.add_argument("config", type=Path, metavar="CONFIG.toml", help="training config")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -275,7 +275,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "[corpus] generates it once for both.",
         epilog="Config sections: [model] name, dtype, device; [corpus] as for train-adapter (generated_tokens "
         "or self_prompted must be positive); [output] name, output_dir (relative to the config). Example: "
-        "studies/tuned/smollm2-135m-instruct/lookup-corpus.toml",
+        "studies/smollm2-135m-instruct/lookup-corpus.toml",
     )
     corpus.add_argument("config", type=Path, metavar="CONFIG.toml", help="corpus config")
     corpus.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -27,7 +27,7 @@ or, with DIR holding the model's weights too:
   AutoModelForCausalLM.from_pretrained("DIR or org/repo", trust_remote_code=True).generate(**inputs)
 
 example:
-  hf-selfspec package --config studies/tuned/smollm2-135m-instruct/generation_config.json --output smollm2-selfspec
+  hf-selfspec package --config hf_selfspec/data/tuned/smollm2-135m-instruct/generation_config.json --output smollm2-selfspec
 """
 
 

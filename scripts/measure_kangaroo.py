@@ -2,7 +2,7 @@
 often the draft agrees with the full model on its own greedy continuations of HumanEval 20-39
 (never trained or tuned on), bfloat16.
 
-    OMP_NUM_THREADS=1 .venv/bin/python studies/measure_kangaroo.py [--prompts N] [--device cuda] ADAPTER.safetensors [...]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/measure_kangaroo.py [--model embedded] [--prompts N] [--device cuda] ADAPTER.safetensors [...]
 
 Cost: one-token forwards of the full model, verifications (forwards of the full model over 2, 4
 and 8 tokens: what a draft of 1, 3 or 7 tokens costs to check) and one-token draft steps
@@ -23,11 +23,11 @@ import statistics
 import torch
 from transformers import LogitsProcessorList
 
-from hf_selfspec import load_embedded
 from hf_selfspec.adapter import load_adapter
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import DecodingState, RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.layer_skip import decoder_layers
+from hf_selfspec.loading import EMBEDDED, load_model_and_tokenizer
 from hf_selfspec.measure import timed
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.prompts import encode_prompt, load_prompts
@@ -50,33 +50,31 @@ def step_costs(model, adapters, input_ids) -> dict[str | int, float]:
     length = input_ids.shape[1]
     sequence = torch.cat([input_ids, input_ids.new_zeros((1, 16))], dim=1)
     positions = torch.arange(sequence.shape[1], device=sequence.device)[None]
+    state = DecodingState(sequence, positions, length)
     cache = DraftAwareCache(model.config)
     drafters = {a: ShallowExitDrafter(model, cache, load_adapter(model, a), DRAFT_VOCAB) for a in adapters}
     model(input_ids=input_ids[:, :-1], position_ids=positions[:, : length - 1], **cache_keyword(cache), use_cache=True)
+    for drafter in drafters.values():
+        # As after a cache hit: the prefill computed no shallow states for the adapter, so the
+        # drafter computes them once, and the first (untimed) draft feeds them to the adapter.
+        drafter.continue_from(state, length - 1)
     selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
-    try:
-        for repeat in range(REPEATS + 1):
-            for width in widths:
-                _, seconds = timed(lambda: model(
-                    input_ids=sequence[:, length - 1 : length - 1 + width],
-                    position_ids=positions[:, length - 1 : length - 1 + width],
-                    **cache_keyword(cache), use_cache=True, logits_to_keep=width,
-                ), model.device)
-                if repeat:  # the first pass of each is a warm-up
-                    times[width].append(seconds)
-                cache.rollback(length - 1)
-            for a, drafter in drafters.items():
-                drafter.rollback(length - 1)
-                _, seconds = timed(
-                    lambda: drafter.propose(DecodingState(sequence, positions, length), 1, never_exit, selector),
-                    model.device,
-                )
-                if repeat:
-                    times[a].append(seconds)
-                cache.rollback(length - 1)
-    finally:
-        for drafter in reversed(list(drafters.values())):  # undo their layer patches in reverse
-            drafter.close()
+    for repeat in range(REPEATS + 1):
+        for width in widths:
+            _, seconds = timed(lambda: model(
+                input_ids=sequence[:, length - 1 : length - 1 + width],
+                position_ids=positions[:, length - 1 : length - 1 + width],
+                **cache_keyword(cache), use_cache=True, logits_to_keep=width,
+            ), model.device)
+            if repeat:  # the first pass of each is a warm-up
+                times[width].append(seconds)
+            cache.rollback(length - 1)
+        for a, drafter in drafters.items():
+            drafter.rollback(length - 1)
+            _, seconds = timed(lambda: drafter.propose(state, 1, never_exit, selector), model.device)
+            if repeat:
+                times[a].append(seconds)
+            cache.rollback(length - 1)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -112,8 +110,8 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
     return {a: [(hits[a][t][0] / total, hits[a][t][1] / max(hits[a][t][0], 1)) for t in THRESHOLDS] for a in adapters}
 
 
-def main(adapters: list[str], n_prompts: int, device: str) -> None:
-    model, tokenizer = load_embedded(dtype=torch.bfloat16, device=device, generation_config=None)
+def report(model_name: str, adapters: list[str], n_prompts: int, device: str) -> None:
+    model, tokenizer = load_model_and_tokenizer(model_name, dtype=torch.bfloat16, device=device)
     encoded = [encode_prompt(tokenizer, p).to(model.device) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
     costs = step_costs(model, adapters, encoded[0]["input_ids"])
     step = costs[1]
@@ -127,11 +125,16 @@ def main(adapters: list[str], n_prompts: int, device: str) -> None:
         print(f"{a} on plain greedy's tokens for HumanEval 20-{19 + n_prompts}: {cells}", flush=True)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=EMBEDDED, help="'embedded', or a model directory or Hub id")
     parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts from 20 on (at most 20)")
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     parser.add_argument("adapters", nargs="+")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    main(args.adapters, min(args.prompts, 20), args.device)
+    report(args.model, args.adapters, min(args.prompts, 20), args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """What `kangaroo` alone would gain with each trained adapter, on a host whose own timings are not
 the ones that matter: the acceptance is replayed, the prices are given.
 
-    .venv/bin/python studies/kangaroo_arithmetic.py [--dtype float32] [--prompts 20] ADAPTER.safetensors [...]
+    .venv/bin/python scripts/kangaroo_arithmetic.py [--model embedded] [--dtype float32] [--prompts 20] ADAPTER.safetensors [...]
 
 Acceptance: the tuner's replay of the decoding loop (`tuning/estimate.py`) over each adapter's
 teacher-forced drafts on HumanEval 20-39 (never trained or tuned on). Under greedy decoding an
@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from hf_selfspec import load_embedded
 from hf_selfspec.adapter import read_adapter_shape
+from hf_selfspec.loading import EMBEDDED, load_model_and_tokenizer
 from hf_selfspec.measure import timed_generate
 from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import encode_prompt, load_prompts
@@ -65,8 +65,8 @@ def agreement(forced: list, drafts: list) -> tuple[float, float]:
     return right / max(right + missed, 1), rescued / max(missed, 1)
 
 
-def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse.Namespace) -> None:
-    model, tokenizer = load_embedded(dtype=dtype, generation_config=None)
+def report(model_name: str, adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse.Namespace) -> None:
+    model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype)
     num_layers = model.config.num_hidden_layers
     forced = []
     for prompt in load_prompts("humaneval", n=n_prompts, offset=20):
@@ -107,8 +107,9 @@ def main(adapters: list[str], n_prompts: int, dtype: torch.dtype, args: argparse
                   f"{totals.accepted_alternatives} alternatives accepted", flush=True)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=EMBEDDED, help="'embedded', or a model directory or Hub id")
     parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts from 20 on (at most 20)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
@@ -120,6 +121,10 @@ if __name__ == "__main__":
                         help="widest verification (tokens) the --verify-cost price stands for")
     parser.add_argument("--top", type=int, default=3, help="knob settings to list per adapter")
     parser.add_argument("adapters", nargs="+")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    main(args.adapters, min(args.prompts, 20), getattr(torch, args.dtype), args)
+    report(args.model, args.adapters, min(args.prompts, 20), getattr(torch, args.dtype), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Throughput of one shared model under 1, 2 and 4 concurrent callers: plain `generate` against
 the default profile, with the same callers.
 
-    .venv/bin/python studies/concurrent_callers.py [--dtype auto] [--prompts 8] [--new-tokens 64] [--rounds 2]
+    .venv/bin/python scripts/concurrent_callers.py [--model embedded] [--dtype auto] [--prompts 8] [--new-tokens 64] [--rounds 2]
 
 A chat server shares one loaded model between its users' threads. Each caller thread decodes
 its share of the HumanEval prompts (20 onwards, never tuned on), one after another; the callers
@@ -22,6 +22,7 @@ import torch
 
 from hf_selfspec import load_embedded
 from hf_selfspec.consistency import check_greedy_consistency
+from hf_selfspec.loading import EMBEDDED, load_model_and_tokenizer
 from hf_selfspec.measure import timed_generate
 from hf_selfspec.prompts import encode_prompt, load_prompts
 
@@ -47,15 +48,21 @@ def _run(model, prompts, callers: int, kwargs: dict, new_tokens: int) -> tuple[f
     return sum(len(tokens) for tokens in outputs) / seconds, outputs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=EMBEDDED,
+                        help="'embedded' (with the profiles shipped for it), or a model directory or Hub id (with "
+                        "the profile in its own generation config)")
     parser.add_argument("--dtype", default="auto", help="auto (the model's, bfloat16 where native), float32, bfloat16")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load_embedded(dtype=dtype)
+    if args.model == EMBEDDED:
+        model, tokenizer = load_embedded(dtype=dtype)
+    else:
+        model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
     prompts = [encode_prompt(tokenizer, text) for text in load_prompts("humaneval", n=args.prompts, offset=20)]
     alone = [
         timed_generate(model, inputs, max_new_tokens=args.new_tokens, do_sample=False, strategy="plain",
