@@ -18,10 +18,10 @@ from hf_selfspec.inputs import InputError, model_name, read_text_file, usable_de
 from hf_selfspec.lookup_corpus import read_corpus_description
 from hf_selfspec.loading import AUTO, EMBEDDED, load_model_and_tokenizer, parse_dtype
 from hf_selfspec.prompts import HELD_OUT_SPLIT, HUMANEVAL, TUNE_SPLIT, WORKLOAD
-from hf_selfspec.strategies import resolve_strategy
+from hf_selfspec.strategies import available_strategies, resolve_strategy
 
 from . import TuningError
-from .space import KNOBS, STRATEGY_KNOBS
+from .knobs import KNOBS, strategy_knobs
 
 SAMPLERS = ("tpe", "random")
 OBJECTIVES = ("measured", "estimated")
@@ -308,16 +308,35 @@ def _lookup_corpus(reader: _Reader, table: dict[str, Any], ranges: dict[str, tup
     return str(tokens.resolve())
 
 
+def _strategy(reader: _Reader, table: dict[str, Any], default: str) -> str:
+    """A registered strategy's name, whose every declared knob the tuner can search."""
+    strategy = reader.get(table, "search", "strategy", str, default)
+    if strategy not in available_strategies():
+        raise reader.error(
+            "search.strategy",
+            f"must be one of {', '.join(available_strategies())}, got {strategy!r}; a strategy of your own must be "
+            "registered (hf_selfspec.register_strategy) before the config is read",
+        )
+    unsearchable = [name for name in strategy_knobs(strategy) if name not in KNOBS]
+    if unsearchable:
+        raise reader.error(
+            "search.strategy",
+            f"strategy {strategy!r} declares tunable knob {unsearchable[0]!r}, which the tuner has no range for; "
+            f"it can search {', '.join(KNOBS)}",
+        )
+    return strategy
+
+
 def _search(reader: _Reader) -> SearchConfig:
     table = reader.section("search", _SEARCH_KEYS)
     defaults = SearchConfig()
-    strategy = reader.choice(table, "search", "strategy", tuple(STRATEGY_KNOBS), defaults.strategy)
+    strategy = _strategy(reader, table, defaults.strategy)
     ranges = {}
     for name in KNOBS:
         if name not in table:
             continue
-        if name not in STRATEGY_KNOBS[strategy]:
-            users = [s for s, knobs in STRATEGY_KNOBS.items() if name in knobs]
+        if name not in strategy_knobs(strategy):
+            users = [s for s in available_strategies() if name in strategy_knobs(s)]
             raise reader.error(
                 f"search.{name}", f"strategy {strategy!r} does not read it (only {', '.join(users)} does)"
             )
