@@ -1,12 +1,16 @@
 """The tuner reads the strategy registry: each strategy's search space is the knobs it declares,
-so a strategy registered outside the package is tuned by naming it in a study config."""
+so a strategy registered outside the package is tuned by naming it in a study config; and the
+commands that only read a config and run the model load without optuna."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import optuna
 import pytest
 from optuna.trial import TrialState
-from tuning_helpers import make_tuned_looking_study
+from tuning_helpers import cli_env, make_tuned_looking_study
 
 import hf_selfspec
 from hf_selfspec.strategies import TargetConfidenceGated
@@ -130,3 +134,29 @@ def test_registering_a_strategy_with_an_unknown_knob_fails():
             type("Typo", (hf_selfspec.Strategy,), {"tunable_knobs": ("draft_lenght",)})
         )
     assert "test_registry_typo" not in hf_selfspec.available_strategies()
+
+
+# Runs the CLI in a fresh interpreter and reports whether optuna was imported.
+_RUN_WITHOUT_OPTUNA = """
+import sys
+from hf_selfspec.cli import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as exit:
+    status = exit.code
+print(status, 'optuna' in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("command", ["train-adapter", "write-lookup-corpus"])
+@pytest.mark.parametrize("argument", ["--help", "missing.toml"])
+def test_config_only_commands_do_not_import_optuna(command, argument, tmp_path):
+    """`--help`, and a run that reads its config (here a missing one) and stops, both import
+    everything the command needs before its model loads."""
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN_WITHOUT_OPTUNA, command, argument],
+        env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    status, optuna_imported = result.stdout.split()[-2:]
+    assert status == ("0" if argument == "--help" else "2"), result.stderr
+    assert optuna_imported == "False"

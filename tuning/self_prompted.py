@@ -61,7 +61,7 @@ from . import model_text
 from .model_text import atomic_save, generated_texts, padded_batch
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
+    from .toml_reader import ModelConfig
     from .train_adapter import CorpusConfig
 
 logger = logging.getLogger(__name__)

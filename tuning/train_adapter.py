@@ -44,10 +44,10 @@ from hf_selfspec.embedded import cache_root
 from hf_selfspec.inputs import file_stem
 from hf_selfspec.layer_skip import decoder_layers
 
-from .config import _KIND_NAMES, ModelConfig, StudyConfigError, _model, _Reader, read_toml_config
 from .evaluation_texts import FIRST_TRAINABLE_HUMANEVAL
 from .model_text import atomic_save, generated_texts
 from .self_prompted import DEFAULT_TASK_SEEDS, KEYS as SELF_PROMPTED_KEYS, TASK_SEEDS, self_prompted_dir, self_prompted_texts
+from .toml_reader import ModelConfig, StudyConfigError, TomlReader, read_model_section, read_section, read_toml_config
 
 logger = logging.getLogger(__name__)
 
@@ -118,31 +118,7 @@ class TrainAdapterConfig:
 _MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions", "self_prompted", "request_seed")
 
 
-def read_section(reader: _Reader, section: str, cls):
-    """One section as the dataclass `cls`, each key typed after its default (unknown keys are errors)."""
-    table = reader.section(section, {f.name for f in dataclasses.fields(cls)})
-    values = {}
-    for f in dataclasses.fields(cls):
-        default = getattr(cls(), f.name)
-        if f.name not in table:
-            continue
-        value = table[f.name]
-        if isinstance(default, tuple):
-            kind = type(default[0])
-            if not isinstance(value, list) or not value or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
-                raise reader.error(f"{section}.{f.name}", f"must be a non-empty list of {_KIND_NAMES[kind].split()[-1]}s, got {value!r}")
-            values[f.name] = tuple(value)
-        elif isinstance(default, bool):
-            if not isinstance(value, bool):
-                raise reader.error(f"{section}.{f.name}", f"must be true or false, got {value!r}")
-            values[f.name] = value
-        else:
-            kind = float if isinstance(default, float) else int if isinstance(default, int) or default is None else str
-            values[f.name] = reader.get(table, section, f.name, kind, default)
-    return cls(**values)
-
-
-def read_corpus(reader: _Reader) -> CorpusConfig:
+def read_corpus(reader: TomlReader) -> CorpusConfig:
     """The [corpus] section, checked: counts in range, evaluation prompts out of reach."""
     corpus = read_section(reader, "corpus", CorpusConfig)
     if corpus.humaneval_from is not None and corpus.humaneval_from < FIRST_TRAINABLE_HUMANEVAL:
@@ -163,7 +139,7 @@ def read_corpus(reader: _Reader) -> CorpusConfig:
     return corpus
 
 
-def _check_self_prompted(reader: _Reader, corpus: CorpusConfig) -> None:
+def _check_self_prompted(reader: TomlReader, corpus: CorpusConfig) -> None:
     """The self-prompting keys: a sampling distribution, known task seeds, and no key set in vain."""
     if not corpus.request_temperature > 0:
         raise reader.error("corpus.request_temperature", f"must be positive, got {corpus.request_temperature}")
@@ -197,7 +173,7 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
         raise reader.error(
             "adapter.name", f"must be a file name without a directory, using only the {{exit_layer}} placeholder, got {adapter.name!r}"
         ) from None
-    return TrainAdapterConfig(reader.path, _model(reader), corpus, adapter, training)
+    return TrainAdapterConfig(reader.path, read_model_section(reader), corpus, adapter, training)
 
 
 # ---------------------------------------------------------------------------------------------
