@@ -5,7 +5,9 @@ Modules, one job each: `toml_reader` (reading any of its TOML files strictly), `
 config files), `knobs` (the numeric knobs, and which of them a strategy searches), `space` (what
 a trial tries), `objective` (measuring a trial), `storage` (where studies live and what they are
 called), `tune` (running a study), `export`, `hub`, `dashboard`, `quickstart`, and `cli`
-(argument wiring only).
+(argument wiring only). Draft adapters are trained by `train_adapter` from a `corpus`, a
+`teacher` pass and `training`; `write_lookup_corpus` writes the model's own text as a lookup
+corpus.
 """
 
 

@@ -17,9 +17,9 @@ from hf_selfspec.adapter import adapter_files
 from hf_selfspec.inputs import file_stem
 from hf_selfspec.lookup_corpus import save_lookup_corpus
 
+from .corpus import CorpusConfig, generated_text_file, model_written_texts, read_corpus, split_stdlib_stream
 from .self_prompted import self_prompted_dir
 from .toml_reader import ModelConfig, StudyConfigError, read_model_section, read_section, read_toml_config
-from .train_adapter import CorpusConfig, generated_text_file, model_written_texts, read_corpus, split_stdlib_stream
 
 
 @dataclass(frozen=True)
