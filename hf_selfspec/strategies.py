@@ -22,7 +22,7 @@ from .masks import check_hand_built_masks_supported
 from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import SkippingDecoder
 from .lookup_corpus import LookupCorpus, load_lookup_corpus
-from .params import SelfSpecParams
+from .params import PARAM_NAMES, SelfSpecParams
 from .policies import (
     AdaptiveExitPolicy,
     AdaptiveLookupLength,
@@ -47,6 +47,21 @@ class Strategy:
     accepts_assistant_model: ClassVar[bool] = False
     # Whether the strategy drafts only with a trained adapter (`draft_adapter`).
     needs_draft_adapter: ClassVar[bool] = False
+    # The numeric `SelfSpecParams` knobs this strategy reads that are worth searching, in the
+    # order a tuner asks for them (the draft itself, skip set or adapter, is searched apart). The
+    # tuner builds a strategy's search space from this, so a registered strategy can be tuned.
+    tunable_knobs: ClassVar[tuple[str, ...]] = (
+        "max_draft_tokens",
+        "draft_exit_threshold",
+        "prompt_lookup_tokens",
+        "prompt_lookup_min_ngram",
+        "prompt_lookup_ngram",
+        "prompt_lookup_max_tokens",
+        "draft_source_probe_interval",
+        "draft_vocab_size",
+        "draft_alternatives",
+        "backoff_probe_interval",
+    )
 
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
         return ExitPolicy(params.draft_exit_threshold)
@@ -152,6 +167,12 @@ def register_strategy(name: str):
             raise TypeError(f"register_strategy({name!r}) expects a subclass of hf_selfspec.Strategy, got {cls!r}")
         if not name or name == PLAIN:
             raise ValueError(f"{name!r} cannot name a strategy")
+        unknown = [knob for knob in cls.tunable_knobs if knob not in PARAM_NAMES]
+        if unknown:
+            raise ValueError(
+                f"strategy {name!r}: tunable_knobs names {unknown[0]!r}, which is no SelfSpecParams field; "
+                f"known: {', '.join(sorted(PARAM_NAMES))}"
+            )
         cls.name = name
         _REGISTRY[name] = cls
         return cls
@@ -183,6 +204,9 @@ class SelfSpeculative(Strategy):
 class AdaptiveDraftExit(Strategy):
     """The exit threshold follows the acceptance rate (Draft & Verify)."""
 
+    # `acceptance_ema` and `threshold_ema` are read too, but not searched.
+    tunable_knobs = Strategy.tunable_knobs + ("target_acceptance", "threshold_step")
+
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
         return AdaptiveExitPolicy(
             threshold=params.draft_exit_threshold,
@@ -198,6 +222,7 @@ class TargetConfidenceGated(Strategy):
     """Draft only after steps where the verifier was confident; works over an assistant too."""
 
     accepts_assistant_model = True
+    tunable_knobs = Strategy.tunable_knobs + ("target_confidence_threshold",)
 
     def build_gate(self, params: SelfSpecParams) -> Gate:
         return TargetConfidenceGate(params.target_confidence_threshold)

@@ -49,7 +49,7 @@ def workspace(tmp_path, monkeypatch):
         raise AssertionError("a model loaded before the bad input was refused")
 
     monkeypatch.setattr("hf_selfspec.loading.load_model_and_tokenizer", no_model_load)
-    monkeypatch.setattr("hf_selfspec.tuning.config.load_model_and_tokenizer", no_model_load, raising=False)
+    monkeypatch.setattr("hf_selfspec.tuning.toml_reader.load_model_and_tokenizer", no_model_load)
     return tmp_path
 
 

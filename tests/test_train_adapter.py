@@ -17,10 +17,11 @@ from hf_selfspec.adapter import read_adapter
 from hf_selfspec.loading import load_model_and_tokenizer
 from tuning.config import StudyConfigError
 from tuning import model_text
-from tuning.train_adapter import (
-    CorpusConfig, corpus_chunks, generated_texts, generation_prompts, humaneval_problems, load_train_config,
-    run_train_adapter, split_stdlib_stream, stdlib_function_prompts,
+from tuning.corpus import (
+    CorpusConfig, corpus_chunks, generation_prompts, humaneval_problems, split_stdlib_stream, stdlib_function_prompts,
 )
+from tuning.model_text import generated_texts
+from tuning.train_adapter import load_train_config, run_train_adapter
 
 STEPS = 300
 
@@ -185,7 +186,7 @@ def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_l
     trains on, written beside its config with what it was made from."""
     from hf_selfspec.cli import main
     from hf_selfspec.lookup_corpus import SEPARATOR, read_corpus_description
-    from tuning.train_adapter import generated_text_file
+    from tuning.corpus import generated_text_file
 
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
     model = f'[model]\nname = "{tiny_llama_dir}"\n'

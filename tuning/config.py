@@ -1,53 +1,29 @@
 """Study config files (TOML): what to tune, on what, and how long.
 
-Parsing is strict: an unknown section or key, or a value of the wrong type, is an error that
-names the file and the key, because a typo in a tuning config otherwise costs hours of search
-with a setting silently left at its default.
+Read strictly, by `toml_reader`. A study names its strategy by the name it is registered under
+(`register_strategy`), and may give a range to each knob that strategy declares.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hf_selfspec.adapter import adapter_files, read_adapter, read_adapter_shape
-from hf_selfspec.inputs import InputError, model_name, read_text_file, usable_device
 from hf_selfspec.lookup_corpus import read_corpus_description
-from hf_selfspec.loading import AUTO, EMBEDDED, load_model_and_tokenizer, parse_dtype
 from hf_selfspec.prompts import HELD_OUT_SPLIT, HUMANEVAL, TUNE_SPLIT, WORKLOAD
-from hf_selfspec.strategies import resolve_strategy
+from hf_selfspec.strategies import available_strategies, resolve_strategy
 
-from . import TuningError
-from .space import KNOBS, STRATEGY_KNOBS
+from .knobs import KNOBS, strategy_knobs
+from .toml_reader import ModelConfig, StudyConfigError, TomlReader, read_model_section, read_toml_config
 
 SAMPLERS = ("tpe", "random")
 OBJECTIVES = ("measured", "estimated")
 PRUNERS = ("median", "none")
 # Prompts per trial from HumanEval or a JSONL file when the config does not say.
 DEFAULT_N_PROMPTS = 8
-
-
-class StudyConfigError(TuningError):
-    pass
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str = EMBEDDED
-    gguf_file: str | None = None
-    dtype: str = AUTO
-    device: str = "cpu"
-
-    def load(self):
-        """`(model, tokenizer)`; a name that is neither a model directory nor a Hub id this
-        machine can fetch fails in one line naming the [model] section."""
-        try:
-            return load_model_and_tokenizer(self.name, self.gguf_file, self.dtype, self.device)
-        except (OSError, ValueError) as error:
-            raise StudyConfigError(f"cannot load [model] name {self.name!r}: {' '.join(str(error).split())}") from None
 
 
 @dataclass(frozen=True)
@@ -116,80 +92,7 @@ _SECTIONS = {"model": ModelConfig, "prompts": PromptConfig, "search": SearchConf
 _SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", "draft_adapters", "lookup_corpus", *KNOBS}
 
 
-_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
-
-
-class _Reader:
-    """Typed access to one parsed file, every message naming the file and the dotted key."""
-
-    def __init__(self, path: Path, data: dict[str, Any]):
-        self.path = path
-        self.data = data
-
-    def error(self, key: str, problem: str) -> StudyConfigError:
-        return StudyConfigError(f"{self.path}: {key}: {problem}")
-
-    def section(self, name: str, known: set[str]) -> dict[str, Any]:
-        table = self.data.get(name, {})
-        if not isinstance(table, dict):
-            raise self.error(name, f"must be a [{name}] table, got {table!r}")
-        for key in table:
-            if key not in known:
-                raise self.error(f"{name}.{key}", f"unknown key; [{name}] takes {', '.join(sorted(known))}")
-        return table
-
-    def get(self, table: dict[str, Any], section: str, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
-        if key not in table:
-            return default
-        value = table[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        # TOML booleans are Python ints; a `true` where a count belongs is a mistake, not 1.
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            expected = " or ".join(_KIND_NAMES[k] for k in kinds)
-            raise self.error(f"{section}.{key}", f"must be {expected}, got {value!r}")
-        return float(value) if float in kinds else value
-
-    def at_least(self, table: dict[str, Any], section: str, key: str, minimum: int, default: Any) -> Any:
-        value = self.get(table, section, key, int, default)
-        if value is not None and value < minimum:
-            raise self.error(f"{section}.{key}", f"must be at least {minimum}, got {value}")
-        return value
-
-    def choice(self, table: dict[str, Any], section: str, key: str, choices: tuple[str, ...], default: str) -> str:
-        value = self.get(table, section, key, str, default)
-        if value not in choices:
-            raise self.error(f"{section}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-
-def _model(reader: _Reader) -> ModelConfig:
-    table = reader.section("model", {f.name for f in dataclasses.fields(ModelConfig)})
-    defaults = ModelConfig()
-    dtype = reader.get(table, "model", "dtype", str, defaults.dtype)
-    try:
-        parse_dtype(dtype)
-    except ValueError as error:
-        raise reader.error("model.dtype", str(error)) from None
-    device = reader.get(table, "model", "device", str, defaults.device)
-    name = reader.get(table, "model", "name", str, defaults.name)
-    # Checked now, so that a typo stops the command before a model loads or a study starts.
-    try:
-        usable_device(device, "")
-    except InputError as error:
-        raise reader.error("model.device", str(error).strip()) from None
-    try:
-        name = model_name(name, "")
-    except InputError as error:
-        raise reader.error("model.name", str(error).strip()) from None
-    return ModelConfig(
-        name=name,
-        gguf_file=reader.get(table, "model", "gguf_file", str, None),
-        dtype=dtype,
-        device=device,
-    )
-
-
-def _prompt_source(reader: _Reader, table: dict[str, Any]) -> str:
+def _prompt_source(reader: TomlReader, table: dict[str, Any]) -> str:
     source = reader.get(table, "prompts", "source", str, HUMANEVAL)
     if source in (HUMANEVAL, WORKLOAD):
         return source
@@ -202,7 +105,7 @@ def _prompt_source(reader: _Reader, table: dict[str, Any]) -> str:
     return str(resolved)
 
 
-def _split(reader: _Reader, table: dict[str, Any], source: str) -> str | None:
+def _split(reader: TomlReader, table: dict[str, Any], source: str) -> str | None:
     split = reader.get(table, "prompts", "split", str, None)
     if split == HELD_OUT_SPLIT:
         raise reader.error(
@@ -217,7 +120,7 @@ def _split(reader: _Reader, table: dict[str, Any], source: str) -> str | None:
     return TUNE_SPLIT if source == WORKLOAD else split
 
 
-def _prompts(reader: _Reader) -> PromptConfig:
+def _prompts(reader: TomlReader) -> PromptConfig:
     table = reader.section("prompts", {f.name for f in dataclasses.fields(PromptConfig)})
     defaults = PromptConfig()
     source = _prompt_source(reader, table)
@@ -240,7 +143,7 @@ def _prompts(reader: _Reader) -> PromptConfig:
     )
 
 
-def _knob_range(reader: _Reader, name: str, value: Any) -> tuple[float, float]:
+def _knob_range(reader: TomlReader, name: str, value: Any) -> tuple[float, float]:
     knob = KNOBS[name]
     key = f"search.{name}"
     number = (int,) if knob.kind is int else (int, float)
@@ -262,7 +165,7 @@ def _knob_range(reader: _Reader, name: str, value: Any) -> tuple[float, float]:
     return low, high
 
 
-def _draft_adapters(reader: _Reader, table: dict[str, Any], strategy: str) -> dict[str, str]:
+def _draft_adapters(reader: TomlReader, table: dict[str, Any], strategy: str) -> dict[str, str]:
     """The listed adapters by name, each found and read as an adapter description now, so that
     a typo stops the study before the model loads; whether one fits the model is checked once
     it has (`check_adapters_fit`)."""
@@ -291,7 +194,7 @@ def _draft_adapters(reader: _Reader, table: dict[str, Any], strategy: str) -> di
     return adapters
 
 
-def _lookup_corpus(reader: _Reader, table: dict[str, Any], ranges: dict[str, tuple[float, float]]) -> str:
+def _lookup_corpus(reader: TomlReader, table: dict[str, Any], ranges: dict[str, tuple[float, float]]) -> str:
     """The corpus file, named relative to the config and read as a corpus description now; it
     extends prompt lookup, so every trial must look up."""
     key = "search.lookup_corpus"
@@ -308,16 +211,35 @@ def _lookup_corpus(reader: _Reader, table: dict[str, Any], ranges: dict[str, tup
     return str(tokens.resolve())
 
 
-def _search(reader: _Reader) -> SearchConfig:
+def _strategy(reader: TomlReader, table: dict[str, Any], default: str) -> str:
+    """A registered strategy's name, whose every declared knob the tuner can search."""
+    strategy = reader.get(table, "search", "strategy", str, default)
+    if strategy not in available_strategies():
+        raise reader.error(
+            "search.strategy",
+            f"must be one of {', '.join(available_strategies())}, got {strategy!r}; a strategy of your own must be "
+            "registered (hf_selfspec.register_strategy) before the config is read",
+        )
+    unsearchable = [name for name in strategy_knobs(strategy) if name not in KNOBS]
+    if unsearchable:
+        raise reader.error(
+            "search.strategy",
+            f"strategy {strategy!r} declares tunable knob {unsearchable[0]!r}, which the tuner has no range for; "
+            f"it can search {', '.join(KNOBS)}",
+        )
+    return strategy
+
+
+def _search(reader: TomlReader) -> SearchConfig:
     table = reader.section("search", _SEARCH_KEYS)
     defaults = SearchConfig()
-    strategy = reader.choice(table, "search", "strategy", tuple(STRATEGY_KNOBS), defaults.strategy)
+    strategy = _strategy(reader, table, defaults.strategy)
     ranges = {}
     for name in KNOBS:
         if name not in table:
             continue
-        if name not in STRATEGY_KNOBS[strategy]:
-            users = [s for s, knobs in STRATEGY_KNOBS.items() if name in knobs]
+        if name not in strategy_knobs(strategy):
+            users = [s for s in available_strategies() if name in strategy_knobs(s)]
             raise reader.error(
                 f"search.{name}", f"strategy {strategy!r} does not read it (only {', '.join(users)} does)"
             )
@@ -346,7 +268,7 @@ def _search(reader: _Reader) -> SearchConfig:
     )
 
 
-def _study(reader: _Reader) -> StudySettings:
+def _study(reader: TomlReader) -> StudySettings:
     table = reader.section("study", {f.name for f in dataclasses.fields(StudySettings)})
     defaults = StudySettings()
     timeout = reader.get(table, "study", "timeout", (int, float), None)
@@ -380,26 +302,9 @@ def _study(reader: _Reader) -> StudySettings:
     return settings
 
 
-def read_toml_config(path: str | Path, sections: set[str] | dict, what: str = "config") -> _Reader:
-    """A config file parsed strictly: unknown sections are errors, and so is a file that is
-    missing, a directory, not UTF-8 or not TOML, each in one line naming the file."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(read_text_file(path, what))
-    except InputError as error:
-        raise StudyConfigError(str(error)) from None
-    except tomllib.TOMLDecodeError as error:
-        raise StudyConfigError(f"{path}: not valid TOML ({error})") from None
-    reader = _Reader(path, data)
-    for section in data:
-        if section not in sections:
-            raise reader.error(section, f"unknown section; this {what} has {', '.join(f'[{s}]' for s in sections)}")
-    return reader
-
-
 def load_study_config(path: str | Path) -> StudyConfig:
     reader = read_toml_config(path, _SECTIONS, "study config")
-    return StudyConfig(model=_model(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader))
+    return StudyConfig(model=read_model_section(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader))
 
 
 def check_adapters_fit(search: SearchConfig, model) -> None:

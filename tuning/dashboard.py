@@ -55,22 +55,27 @@ def _draft_in_words(attrs: dict[str, Any]) -> str:
 
 
 def _knobs_in_words(params: dict[str, Any]) -> str:
-    words = [f"drafts up to {params['max_draft_tokens']} tokens"]
+    defaults = SelfSpecParams()
+
+    def value(name: str) -> Any:
+        # A knob the trial did not search (its strategy does not declare it, or the study is older
+        # than the knob) was at its default.
+        return params.get(name, getattr(defaults, name))
+
+    words = [f"drafts up to {value('max_draft_tokens')} tokens"]
     if "target_acceptance" in params:
         words.append(
-            f"starts its exit threshold at {params['draft_exit_threshold']:.2f} and steers it towards "
-            f"{params['target_acceptance']:.0%} acceptance in steps of {params['threshold_step']:.3g}"
+            f"starts its exit threshold at {value('draft_exit_threshold'):.2f} and steers it towards "
+            f"{params['target_acceptance']:.0%} acceptance in steps of {value('threshold_step'):.3g}"
         )
     else:
-        words.append(f"ends a draft once its confidence falls below {params['draft_exit_threshold']:.2f}")
+        words.append(f"ends a draft once its confidence falls below {value('draft_exit_threshold'):.2f}")
     if "target_confidence_threshold" in params:
         words.append(f"drafts only after the full model was at least {params['target_confidence_threshold']:.0%} sure")
-    if params.get("prompt_lookup_tokens"):
-        # Studies from before `prompt_lookup_ngram` was a knob used its default.
-        longest = params.get("prompt_lookup_ngram", SelfSpecParams().prompt_lookup_ngram)
+    if value("prompt_lookup_tokens"):
         words.append(
-            f"looks up to {params['prompt_lookup_tokens']} tokens from {params['prompt_lookup_min_ngram']}- to "
-            f"{longest}-token matches"
+            f"looks up to {value('prompt_lookup_tokens')} tokens from {value('prompt_lookup_min_ngram')}- to "
+            f"{value('prompt_lookup_ngram')}-token matches"
         )
     return ", ".join(words)
 

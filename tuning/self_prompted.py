@@ -47,7 +47,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -61,8 +61,7 @@ from . import model_text
 from .model_text import atomic_save, generated_texts, padded_batch
 
 if TYPE_CHECKING:
-    from .config import ModelConfig
-    from .train_adapter import CorpusConfig
+    from .toml_reader import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +96,21 @@ _MAX_CANDIDATES_PER_REQUEST = 8
 # Placed as the user's text to find where the template puts it; no template alters it.
 _SENTINEL = "hf-selfspec-user-text-6d1f"
 
-# The [corpus] keys of this source, and their defaults' home: train_adapter.CorpusConfig.
-KEYS = ("self_prompted", "request_temperature", "request_top_p", "request_seed", "max_request_tokens", "answer_tokens", "task_seeds")
+
+class SelfPromptedRecipe(Protocol):
+    """The [corpus] keys of this source; `corpus.CorpusConfig` holds them, with their defaults."""
+
+    self_prompted: int
+    request_temperature: float
+    request_top_p: float
+    request_seed: int
+    max_request_tokens: int
+    answer_tokens: int
+    task_seeds: tuple[str, ...]
+
+
+# Their names, `self_prompted` (the one that turns the source on) first.
+KEYS = tuple(SelfPromptedRecipe.__annotations__)
 
 
 @dataclass(frozen=True)
@@ -170,13 +182,13 @@ class _Candidate:
     prompt: list[int]  # the rendered chat up to where the model writes
 
 
-def _quotas(corpus: CorpusConfig) -> dict[str, int]:
+def _quotas(corpus: SelfPromptedRecipe) -> dict[str, int]:
     """Requests per task seed: `self_prompted` shared out evenly, the first seeds taking the rest."""
     share, rest = divmod(corpus.self_prompted, len(corpus.task_seeds))
     return {name: share + (index < rest) for index, name in enumerate(corpus.task_seeds)}
 
 
-def _next_candidates(progress: _Progress, corpus: CorpusConfig, tokenizer, turn: UserTurn, passage_texts: list[str]) -> list[_Candidate]:
+def _next_candidates(progress: _Progress, corpus: SelfPromptedRecipe, tokenizer, turn: UserTurn, passage_texts: list[str]) -> list[_Candidate]:
     """The next sampling batch: the task seeds short of their quota, in turn, each continuing its
     own count of candidates drawn (which picks its opening words and its passage).
 
@@ -231,7 +243,7 @@ def _key(text: str) -> str:
 
 
 @torch.no_grad()
-def _sample_batch(model, prompts: list[list[int]], corpus: CorpusConfig, turn: UserTurn, pad_id: int, batch: int) -> list[list[int] | None]:
+def _sample_batch(model, prompts: list[list[int]], corpus: SelfPromptedRecipe, turn: UserTurn, pad_id: int, batch: int) -> list[list[int] | None]:
     """Each prompt's sampled continuation up to the end of the user's turn, or None where the turn
     did not end within `max_request_tokens`. Sampled from the random state of (`request_seed`,
     `batch`) alone, on whatever device the model is on, leaving the caller's random state as it was."""
@@ -274,7 +286,7 @@ class _Progress:
         atomic_save({"batches": self.batches, "drawn": dict(self.drawn), "requests": requests, "dropped": dict(self.dropped)}, path)
 
 
-def sample_requests(model, tokenizer, corpus: CorpusConfig, turn: UserTurn, overlap: EvaluationOverlap, cache_file: Path, show_progress: bool) -> tuple[list[Request], collections.Counter]:
+def sample_requests(model, tokenizer, corpus: SelfPromptedRecipe, turn: UserTurn, overlap: EvaluationOverlap, cache_file: Path, show_progress: bool) -> tuple[list[Request], collections.Counter]:
     """`corpus.self_prompted` requests, each task seed's quota of them (fewer if the candidates
     run out), and why others were dropped."""
     progress = _Progress.load(cache_file)
@@ -360,7 +372,7 @@ class SelfPromptedCorpus:
         )
 
 
-def self_prompted_dir(model: ModelConfig, corpus: CorpusConfig) -> Path:
+def self_prompted_dir(model: ModelConfig, corpus: SelfPromptedRecipe) -> Path:
     """Where the requests and answers of one model and self-prompting recipe are kept; the rest of
     the corpus does not enter the key, so other code text reuses them."""
     recipe = {key: getattr(corpus, key) for key in KEYS}
@@ -368,7 +380,7 @@ def self_prompted_dir(model: ModelConfig, corpus: CorpusConfig) -> Path:
     return cache_root() / "self-prompted" / key
 
 
-def self_prompted_texts(model, tokenizer, model_name: str, corpus: CorpusConfig, cache_dir: Path, show_progress: bool) -> SelfPromptedCorpus:
+def self_prompted_texts(model, tokenizer, model_name: str, corpus: SelfPromptedRecipe, cache_dir: Path, show_progress: bool) -> SelfPromptedCorpus:
     """The self-prompted corpus: requests sampled and filtered, then each answered greedily (both
     cached in `cache_dir`, both resumable), its size and mix logged."""
     turn = open_user_turn(tokenizer, model_name)

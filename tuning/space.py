@@ -11,91 +11,17 @@ tuned profiles use, so no other module needs to know how a trial is spelt.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 
 from hf_selfspec.params import SelfSpecParams, default_skip_layers
 
-if TYPE_CHECKING:
-    from .config import SearchConfig
+from .config import SearchConfig
+from .knobs import KNOBS, strategy_knobs
 
 SUB_LAYERS = ("attn", "mlp")
 ADAPTER_PARAM = "draft_adapter"
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One numeric parameter the tuner may search, with the range it searches by default and the
-    limits any configured range must respect (None: unbounded on that side)."""
-
-    name: str
-    kind: type
-    default_range: tuple[float, float]
-    limits: tuple[float | None, float | None]
-    log: bool = False
-
-
-_DEFAULTS = SelfSpecParams()
-
-
-def _fixed_at_default(name: str) -> tuple[float, float]:
-    """A range that is just `generate`'s own default: the knob is not searched unless a study
-    gives it a range, and its value cannot drift from the default if that changes."""
-    value = getattr(_DEFAULTS, name)
-    return (value, value)
-
-
-KNOBS: dict[str, Knob] = {
-    knob.name: knob
-    for knob in (
-        Knob("max_draft_tokens", int, (1, 12), (1, None)),
-        Knob("draft_exit_threshold", float, (0.05, 0.95), (0.0, 1.0)),
-        # α of Draft & Verify: the acceptance rate the adaptive threshold steers towards.
-        Knob("target_acceptance", float, (0.5, 0.95), (0.0, 1.0)),
-        # ε of Draft & Verify: how far one verification moves the threshold. Useful values span
-        # two orders of magnitude, so it is searched on a log scale.
-        Knob("threshold_step", float, (0.001, 0.1), (0.0, 1.0), log=True),
-        Knob("target_confidence_threshold", float, (0.05, 0.95), (0.0, 1.0)),
-        # Off unless a study opts in with a range: composing prompt lookup with the layer-skip
-        # draft, and restricting the draft's LM head, change what the draft costs.
-        Knob("prompt_lookup_tokens", int, _fixed_at_default("prompt_lookup_tokens"), (0, None)),
-        # The shortest n-gram match a lookup accepts, and the longest it tries first (a range for
-        # both must keep the first at most the second; see the config's checks).
-        Knob("prompt_lookup_min_ngram", int, _fixed_at_default("prompt_lookup_min_ngram"), (1, None)),
-        Knob("prompt_lookup_ngram", int, _fixed_at_default("prompt_lookup_ngram"), (1, None)),
-        # How far an adaptive lookup length may grow (0: a fixed length). A range for it must stay
-        # at or above prompt_lookup_tokens's, or trials that cross are invalid and pruned.
-        Knob("prompt_lookup_max_tokens", int, _fixed_at_default("prompt_lookup_max_tokens"), (0, None)),
-        # How often the loser of lookup and the model's draft is probed (0: lookup always first).
-        Knob("draft_source_probe_interval", int, _fixed_at_default("draft_source_probe_interval"), (0, None)),
-        Knob("draft_vocab_size", int, _fixed_at_default("draft_vocab_size"), (0, None)),
-        # Verifying the draft's runner-ups widens every verification: off unless a study asks.
-        Knob("draft_alternatives", int, _fixed_at_default("draft_alternatives"), (0, None)),
-        # How often the back-off probes the mode it is not using (0: never back off).
-        Knob("backoff_probe_interval", int, _fixed_at_default("backoff_probe_interval"), (0, None)),
-    )
-}
-
-_COMMON_KNOBS = (
-    "max_draft_tokens",
-    "draft_exit_threshold",
-    "prompt_lookup_tokens",
-    "prompt_lookup_min_ngram",
-    "prompt_lookup_ngram",
-    "prompt_lookup_max_tokens",
-    "draft_source_probe_interval",
-    "draft_vocab_size",
-    "draft_alternatives",
-    "backoff_probe_interval",
-)
-STRATEGY_KNOBS: dict[str, tuple[str, ...]] = {
-    "self_speculative": _COMMON_KNOBS,
-    "adaptive_draft_exit": _COMMON_KNOBS + ("target_acceptance", "threshold_step"),
-    "target_confidence_gated": _COMMON_KNOBS + ("target_confidence_threshold",),
-    "kangaroo": _COMMON_KNOBS,
-}
 
 
 def skip_param_name(sub_layer: str, layer: int) -> str:
@@ -111,7 +37,7 @@ def suggest_params(trial: optuna.Trial, search: SearchConfig, num_layers: int) -
         for layer in range(num_layers):
             for sub_layer in SUB_LAYERS:
                 trial.suggest_categorical(skip_param_name(sub_layer, layer), [False, True])
-    for name in STRATEGY_KNOBS[search.strategy]:
+    for name in strategy_knobs(search.strategy):
         knob = KNOBS[name]
         low, high = search.range_of(name)
         if knob.kind is int:
@@ -139,7 +65,7 @@ def decode_params(values: Mapping[str, Any], strategy: str, num_layers: int) -> 
     whatever profile or setting the model's own generation config happens to carry. A chosen
     adapter is named by its file name alone, which is where `export` puts it.
     """
-    knobs = {name: values[name] for name in STRATEGY_KNOBS[strategy]}
+    knobs = {name: values[name] for name in strategy_knobs(strategy)}
     if ADAPTER_PARAM in values:  # the adapter replaces the skip set as the draft
         draft: dict[str, Any] = {"draft_adapter": adapter_file_name(values[ADAPTER_PARAM])}
     else:
@@ -177,7 +103,7 @@ def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, A
     defaults, moved into the configured range."""
     defaults = SelfSpecParams()
     knob_values = {}
-    for name in STRATEGY_KNOBS[search.strategy]:
+    for name in strategy_knobs(search.strategy):
         low, high = search.range_of(name)
         knob_values[name] = min(max(getattr(defaults, name), low), high)
     if search.draft_adapters:

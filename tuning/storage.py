@@ -28,7 +28,8 @@ from hf_selfspec.embedded import EMBEDDED_NAME
 from hf_selfspec.loading import EMBEDDED
 
 from . import TuningError
-from .config import ModelConfig, PromptConfig, StudyConfig
+from .config import PromptConfig, StudyConfig
+from .toml_reader import ModelConfig
 
 DEFAULT_STORAGE = "sqlite:///studies/optuna.db"
 SCHEMA_RACE_ATTEMPTS = 5

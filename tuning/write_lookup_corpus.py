@@ -17,17 +17,9 @@ from hf_selfspec.adapter import adapter_files
 from hf_selfspec.inputs import file_stem
 from hf_selfspec.lookup_corpus import save_lookup_corpus
 
-from .config import ModelConfig, StudyConfigError, _model
+from .corpus import CorpusConfig, generated_text_file, model_written_texts, read_corpus, split_stdlib_stream
 from .self_prompted import self_prompted_dir
-from .train_adapter import (
-    CorpusConfig,
-    generated_text_file,
-    model_written_texts,
-    read_corpus,
-    read_section,
-    read_toml_config,
-    split_stdlib_stream,
-)
+from .toml_reader import ModelConfig, StudyConfigError, read_model_section, read_section, read_toml_config
 
 
 @dataclass(frozen=True)
@@ -65,7 +57,7 @@ def load_lookup_corpus_config(path: str | Path) -> LookupCorpusConfig:
         file_stem(output.name, "")
     except ValueError as error:
         raise reader.error("output.name", str(error)) from None
-    return LookupCorpusConfig(reader.path, _model(reader), corpus, output)
+    return LookupCorpusConfig(reader.path, read_model_section(reader), corpus, output)
 
 
 def _describe(config: LookupCorpusConfig, texts: int) -> str:

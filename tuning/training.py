@@ -1,0 +1,145 @@
+"""Training one exit layer's draft adapter by self-distillation from the teacher pass.
+
+Determinism: the adapter starts as a copy of the exit layer, batches are drawn from a generator
+seeded by (seed, epoch), and a checkpoint holds the adapter, the optimizer and the step, so a run
+killed at any moment and resumed ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
+
+from .model_text import atomic_save
+from .teacher import TEACHER_BATCH, TeacherOutputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 1000
+    batch_chunks: int = 4
+    lr: float = 3e-4
+    seed: int = 0
+    # The KL is taken over the lowest `vocab_size` token ids (0: all): the draft head is usually
+    # restricted to them anyway, and the head dominates a training step's cost.
+    vocab_size: int = 0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+
+
+class _DistillationHead:
+    """The model's LM head over the training vocabulary, in float32, frozen."""
+
+    def __init__(self, model, vocab_size: int):
+        weight = model.get_output_embeddings().weight
+        self.weight = weight[: vocab_size or weight.shape[0]].detach().float()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = hidden.float() @ self.weight.T  # under autocast, in its reduced precision
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+
+def _batch_indices(train_count: int, step: int, batch: int, seed: int) -> torch.Tensor:
+    """The chunks of step `step`: epoch-wise permutations from a generator seeded by (seed, epoch),
+    so a resumed run draws exactly what an uninterrupted one would."""
+    per_epoch = max(train_count // batch, 1)
+    epoch, position = divmod(step, per_epoch)
+    order = torch.randperm(train_count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[position * batch : position * batch + batch]
+
+
+def _reduced_precision(model) -> torch.autocast:
+    """Matrix products in the model's own reduced precision where it has one (faster than float32
+    wherever the hardware supports it), for the student's step and for the teacher's logits alike."""
+    return torch.autocast(model.device.type, dtype=model.dtype, enabled=model.dtype != torch.float32)
+
+
+@torch.no_grad()
+def teacher_logits(model, head: _DistillationHead, final: torch.Tensor) -> torch.Tensor:
+    """The teacher's logits over the training vocabulary for every chunk, computed once rather
+    than at every step that draws the chunk again (the head's product is a large part of a step).
+    Kept in host memory in the autocast precision the step would compute them in, so a step sees
+    the same values: `chunks x chunk_tokens x vocab_size` of them, which a training `vocab_size`
+    below the model's keeps in bounds."""
+    with _reduced_precision(model):
+        return torch.cat([head(part.to(model.device)).cpu() for part in final.split(TEACHER_BATCH)])
+
+
+@torch.no_grad()
+def heldout_agreement(adapter: DraftAdapter, head: _DistillationHead, shallow: torch.Tensor, final: torch.Tensor) -> float:
+    """Top-1 agreement of the draft (adapter, then the training head) with the full model."""
+    agree = total = 0
+    device = head.weight.device
+    positions = torch.arange(shallow.shape[1], device=device)[None]
+    for index in range(shallow.shape[0]):
+        student = head(adapter(shallow[index : index + 1].to(device).float(), positions)).argmax(-1)
+        teacher = head(final[index : index + 1].to(device)).argmax(-1)
+        agree += int((student == teacher).sum())
+        total += teacher.numel()
+    return agree / total
+
+
+def train_exit_layer(
+    model, teacher: TeacherOutputs, exit_layer: int, mlp: bool, training: TrainingConfig, heldout_fraction: float,
+    checkpoint: Path, output: Path, show_progress: bool,
+) -> tuple[Path, float]:
+    """Train the adapter for one exit layer (resuming from `checkpoint` if it exists) on all but
+    the last `heldout_fraction` of the chunks, which measure it, and write it to `output`;
+    `(written file, held-out agreement)`."""
+    torch.manual_seed(training.seed)
+    # The adapter starts as a copy of the (frozen) exit layer; its master weights are float32.
+    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)).float().train()
+    adapter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=training.lr)
+    head = _DistillationHead(model, training.vocab_size)
+    shallow, final = teacher.shallow[exit_layer], teacher.final
+    heldout = max(1, round(shallow.shape[0] * heldout_fraction))
+    train_count = shallow.shape[0] - heldout
+    # The teacher's outputs stay in host memory (the whole corpus's), a batch at a time on the model's device.
+    targets = teacher_logits(model, head, final[:train_count])
+    positions = torch.arange(shallow.shape[1], device=model.device)[None]
+
+    step, agreement, loss_value = 0, float("nan"), float("nan")
+    if checkpoint.is_file():
+        state = torch.load(checkpoint, map_location="cpu")  # loading the state copies it to the adapter's device
+        adapter.load_state_dict(state["adapter"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, agreement = state["step"], state["agreement"]
+
+    bar = tqdm(total=training.steps, initial=step, desc=f"exit layer {exit_layer}", unit="step",
+               disable=None if show_progress else True)
+    while step < training.steps:
+        batch = _batch_indices(train_count, step, training.batch_chunks, training.seed)
+        # The loss and the optimizer stay in float32.
+        with _reduced_precision(model):
+            student = head(adapter(shallow[batch].to(model.device).float(), positions.expand(len(batch), -1)))
+        target = targets[batch].to(model.device)
+        student, target = torch.log_softmax(student.float(), dim=-1), torch.log_softmax(target.float(), dim=-1)
+        loss = torch.nn.functional.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        loss_value = loss.item()
+        if step % training.eval_every == 0 or step == training.steps:
+            adapter.eval()
+            agreement = heldout_agreement(adapter, head, shallow[train_count:], final[train_count:])
+            adapter.train()
+            logger.info("exit layer %d, step %d: loss %.4f, held-out top-1 agreement %.4f", exit_layer, step, loss_value, agreement)
+        if step % training.checkpoint_every == 0 or step == training.steps:
+            atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                          "agreement": agreement}, checkpoint)
+        bar.set_postfix(loss=f"{loss_value:.3f}", heldout_top1=f"{agreement:.3f}")
+        bar.update(1)
+    bar.close()
+    path = save_adapter(adapter, output, dtype=model.dtype)
+    return path, agreement
