@@ -25,11 +25,11 @@ from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriter
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adapter import anchor_profile_files
 from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollback_capable
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
+from .profile_files import anchor_profile_files
 from .profiles import TunedProfile, profile_for_model
 from .selection import TokenSelector
 from .stats import StrategyStats

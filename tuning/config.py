@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_selfspec.adapter import adapter_files, read_adapter, read_adapter_shape
+from hf_selfspec.adapter import read_adapter, read_adapter_shape
+from hf_selfspec.dtypes import AUTO, parse_dtype
+from hf_selfspec.files import adapter_files
 from hf_selfspec.inputs import InputError, model_name, read_text_file, usable_device
 from hf_selfspec.lookup_corpus import read_corpus_description
-from hf_selfspec.loading import AUTO, EMBEDDED, load_model_and_tokenizer, parse_dtype
+from hf_selfspec.loading import EMBEDDED, load_model_and_tokenizer
 from hf_selfspec.prompts import HELD_OUT_SPLIT, HUMANEVAL, TUNE_SPLIT, WORKLOAD
 from hf_selfspec.strategies import resolve_strategy
 

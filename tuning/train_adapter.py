@@ -39,8 +39,9 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from hf_selfspec.adapter import AdapterShape, DraftAdapter, adapter_files, check_exit_layer, save_adapter
+from hf_selfspec.adapter import AdapterShape, DraftAdapter, check_exit_layer, save_adapter
 from hf_selfspec.embedded import cache_root
+from hf_selfspec.files import adapter_files
 from hf_selfspec.inputs import file_stem
 from hf_selfspec.layer_skip import decoder_layers
 

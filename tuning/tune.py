@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from hf_selfspec.adapter import adapter_digest
+from hf_selfspec.profile_files import adapter_digest
 
 from . import TuningError
 from .categories import describe_categories, is_feasible
