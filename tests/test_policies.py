@@ -151,9 +151,9 @@ def test_backoff_probes_a_close_loser_sooner_and_a_free_winner_on_schedule():
 
 
 def test_throughput_is_a_plain_mean_until_the_smoothing_has_enough_steps():
-    from hf_selfspec.policies import _Throughput
+    from hf_selfspec.policies import Throughput
 
-    throughput = _Throughput()
+    throughput = Throughput()
     for committed in (1, 4, 1, 4):
         throughput.add(committed, 1.0, smoothing=0.8)
     assert throughput.tokens == pytest.approx(2.5) and throughput.seconds == pytest.approx(1.0)
