@@ -17,11 +17,11 @@ from transformers import StoppingCriteriaList
 
 from .alternatives import verification_inputs
 from .cache import DraftAwareCache, cache_keyword
-from .drafters import DecodingState, Draft, Drafter
+from .decoding_types import DecodingState, Draft, Drafter, Verdict
 from .policies import Backoff, ExitPolicy, Gate
 from .selection import TokenSelector
 from .stats import StrategyStats
-from .verifier import Verdict, verify
+from .verifier import verify
 
 
 @dataclass

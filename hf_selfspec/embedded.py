@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .dtypes import AUTO, settle_auto_dtype
 from .files import share_as_umask_allows
 from .inputs import existing_file
 
@@ -118,13 +119,12 @@ def load_embedded(
     """`(model, tokenizer)` for SmolLM2-135M-Instruct, enabled for `strategy=` and offline.
 
     `dtype="auto"`, as in transformers, is the published dtype, bfloat16, except on a device
-    without native bfloat16 arithmetic, where it is float32 (`loading.settle_auto_dtype`).
+    without native bfloat16 arithmetic, where it is float32 (`dtypes.settle_auto_dtype`).
     `generation_config` is a `generation_config.json` whose tuned profiles to apply; by default
     the one shipped with this package. Pass `None` to get the model's own config only.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import AUTO, settle_auto_dtype
     from .mixin import enable
     from .profiles import use_generation_config_file
 

@@ -4,6 +4,10 @@ A file lands through a temporary one renamed into place, so a crash never leaves
 that a later load would trust. safetensors and `tempfile` create private files (mode 0600, 0700
 for a directory); an adapter, a corpus or the converted model in a shared cache must be readable
 by whoever the umask lets read what the user writes.
+
+A draft adapter and a lookup corpus are each a pair of files, `NAME.safetensors` and its
+`NAME.json` description, named here once so that every place such a pair travels through (a
+copy beside a config, a Hub download) treats both alike.
 """
 
 from __future__ import annotations
@@ -29,6 +33,24 @@ def share_as_umask_allows(path: str | Path) -> None:
     path = Path(path)
     for entry in [path, *path.rglob("*")] if path.is_dir() else [path]:
         os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~mask)
+
+
+def adapter_files(path: str | Path) -> tuple[Path, Path]:
+    """`(weights, shape)` paths for an adapter (or a lookup corpus, laid out alike) named by
+    either file or by its stem."""
+    path = Path(path)
+    stem = path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
+    return stem.with_name(stem.name + ".safetensors"), stem.with_name(stem.name + ".json")
+
+
+def existing_adapter_files(path: str | Path, what: str = "draft adapter") -> tuple[Path, Path]:
+    """`adapter_files(path)`, failing with the name of the first file that is not there: an
+    adapter (or a lookup corpus, laid out alike) is only usable, or worth copying, with both."""
+    files = adapter_files(path)
+    for required in files:
+        if not required.is_file():
+            raise ValueError(f"{what} file {required} is missing")
+    return files
 
 
 def save_tensor_file_pair(weights_path: Path, tensors: dict[str, torch.Tensor], description_path: Path, description: dict) -> Path:

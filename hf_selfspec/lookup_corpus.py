@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .adapter import HUB_ADDRESS_PREFIX, adapter_files, existing_adapter_files, fetch_hub_file_pair
-from .files import save_tensor_file_pair
+from .files import adapter_files, existing_adapter_files, save_tensor_file_pair
 from .inputs import read_text_file
+from .profile_files import HUB_ADDRESS_PREFIX, fetch_hub_file_pair
 
 CORPUS_FORMAT = "hf-selfspec-lookup-corpus/1"
 SEPARATOR = -1

@@ -25,11 +25,11 @@ from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriter
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .adapter import anchor_profile_files
 from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollback_capable
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
+from .profile_files import anchor_profile_files
 from .profiles import TunedProfile, profile_for_model
 from .selection import TokenSelector
 from .stats import StrategyStats
@@ -145,7 +145,7 @@ PADDED_INPUT = (
 _PROMPT_TENSORS = ("input_ids", "inputs", "attention_mask")
 
 
-def _prompt_on_device(
+def prompt_on_device(
     device: torch.device, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[tuple, dict[str, Any], torch.device | None]:
     """The call with its prompt on the model's `device`, and the device it came from if another.
@@ -166,7 +166,7 @@ def _prompt_on_device(
     return args, kwargs, prompt.device
 
 
-def _output_on_device(output, device: torch.device | None):
+def output_on_device(output, device: torch.device | None):
     """`generate`'s tokens, scores and logits on `device`, where plain decoding would leave them."""
     if device is None:
         return output
@@ -213,12 +213,12 @@ def generate_with_strategy(
     if plan is None:
         return plain_generate(*args, **kwargs)
     kwargs.pop("assistant_model", None)  # ours to draft with; transformers must not see it
-    args, kwargs, caller_device = _prompt_on_device(model.device, args, kwargs)
+    args, kwargs, caller_device = prompt_on_device(model.device, args, kwargs)
     kwargs = _stop_strings_as_criterion(model, args, kwargs)
     # transformers hands a `custom_generate` callable everything it would hand `_sample` but
     # the streamer, to which it has already given the prompt: the loop gets it here.
     loop = functools.partial(_speculative_sample, plan=plan, streamer=kwargs.get("streamer"))
-    return _output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device)
+    return output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device)
 
 
 def _stop_strings_as_criterion(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -102,7 +102,7 @@ class Backoff:
 
 
 @dataclass
-class _Throughput:
+class Throughput:
     """Smoothed seconds and tokens per step of one mode; their ratio is its cost per token.
 
     Smoothing seconds and tokens apart, rather than their ratio, weighs a step that commits
@@ -147,7 +147,7 @@ class _CheaperOfTwo:
     def __init__(self, probe_interval: int, first_favoured_steps: int):
         self.base_interval = self.interval = probe_interval
         self.first_favoured_steps = first_favoured_steps
-        self.favoured, self.other = _Throughput(), _Throughput()
+        self.favoured, self.other = Throughput(), Throughput()
 
     def _compared(self) -> bool:
         return self.favoured.measured and self.other.measured
@@ -206,7 +206,7 @@ class ThroughputBackoff(Backoff):
     steps already lose by half.
 
     Speculation is measured over its first `_FIRST_SPECULATIVE_STEPS` steps (averaged as
-    `_Throughput` says) before the two modes are first compared. One step says little: a draft
+    `Throughput` says) before the two modes are first compared. One step says little: a draft
     accepted at 40% per token has its first token rejected more often than not, and judged by
     that step alone a draft that pays was backed off at the start of most texts, to be probed
     back only slowly (docs/results/ has the comparison). A draft that loses at every step pays for

@@ -26,9 +26,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .adapter import existing_adapter_files
 from .inputs import InputError, read_text_file
-from .params import PATH_KEYS, check_param_types
+from .params import check_param_types
 
 PROFILE_KEY = "self_speculative"
 _PROFILE_FIELDS = {"strategy", "params", "measured"}
@@ -109,29 +108,6 @@ def read_profiles_file(path: str | Path) -> dict[str, TunedProfile]:
 
     path = Path(path)
     return read_profiles(GenerationConfig.from_pretrained(path.parent, config_file_name=path.name))
-
-
-def profile_files(profiles: Mapping[str, TunedProfile], config_dir: str | Path) -> list[str]:
-    """The files the profiles name (draft adapters, lookup corpora), as the relative names they
-    use, each checked to be beside the config: whatever copies or uploads a config must carry
-    these files with it, or its profiles stop loading."""
-    names = []
-    for key, profile in sorted(profiles.items()):
-        for param in PATH_KEYS:
-            name = profile.params.get(param)
-            if not name:
-                continue
-            if Path(name).is_absolute():
-                raise ValueError(
-                    f"profile {key!r}: {param} {name!r} is an absolute path, which does not travel with the "
-                    "config; name the file relative to the generation_config.json (hf-selfspec export does)"
-                )
-            try:
-                existing_adapter_files(Path(config_dir) / name, what=param.replace("_", " "))
-            except ValueError as error:
-                raise ValueError(f"profile {key!r} names {param} {name!r}, but {error}") from None
-            names.append(name)
-    return list(dict.fromkeys(names))
 
 
 def write_profile(generation_config: Any, key: str, profile: TunedProfile) -> None:

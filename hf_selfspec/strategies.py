@@ -19,7 +19,8 @@ from .cache import DraftAwareCache
 from .decoding import SpeculationParts
 from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
-from .drafters import AssistantDrafter, Drafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
+from .decoding_types import Drafter
+from .drafters import AssistantDrafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
 from .layer_skip import SkippingDecoder
 from .lookup_corpus import LookupCorpus, load_lookup_corpus
 from .params import PARAM_NAMES, SelfSpecParams

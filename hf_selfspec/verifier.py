@@ -15,24 +15,11 @@ sampling's distribution. An accepted alternative's row then gives the verifier's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .alternatives import alternative_rows
-from .drafters import DecodingState, Draft
+from .decoding_types import DecodingState, Draft, Verdict
 from .selection import TokenSelector
-
-
-@dataclass
-class Verdict:
-    tokens: list[int]  # accepted draft tokens, then the verifier's own token
-    accepted: int
-    scores: torch.Tensor  # [len(tokens), vocab] processed scores at each committed position
-    logits: torch.Tensor  # [len(tokens), vocab] raw float32 logits at each committed position
-    # The logits row of the alternative that replaced the first rejected draft token, if any:
-    # its KV must move to that token's place.
-    alternative_row: int | None = None
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from transformers import LogitsProcessorList
 
 from hf_selfspec.adapter import load_adapter
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.drafters import DecodingState, RestrictedDraftHead, ShallowExitDrafter
+from hf_selfspec.decoding_types import DecodingState
+from hf_selfspec.drafters import RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.layer_skip import decoder_layers
 from hf_selfspec.loading import EMBEDDED, load_model_and_tokenizer
 from hf_selfspec.measure import timed

@@ -211,7 +211,8 @@ def test_an_adapter_with_nan_weights_is_refused_when_read(model, tmp_path):
 def test_an_adapter_description_with_a_boolean_exit_layer_is_refused(model, tmp_path):
     import json
 
-    from hf_selfspec.adapter import adapter_files, read_adapter_shape
+    from hf_selfspec.adapter import read_adapter_shape
+    from hf_selfspec.files import adapter_files
 
     weights = _save_adapter_for(model, tmp_path)
     description = adapter_files(weights)[1]
@@ -223,7 +224,7 @@ def test_an_adapter_description_with_a_boolean_exit_layer_is_refused(model, tmp_
 def test_saved_files_are_as_readable_as_the_umask_allows(model, tmp_path):
     import os
 
-    from hf_selfspec.adapter import adapter_files
+    from hf_selfspec.files import adapter_files
     from hf_selfspec.lookup_corpus import save_lookup_corpus
 
     previous = os.umask(0o022)

@@ -10,7 +10,8 @@ import torch
 from transformers import GenerationConfig
 
 import hf_selfspec
-from hf_selfspec.adapter import AdapterShape, DraftAdapter, adapter_files, read_adapter, save_adapter
+from hf_selfspec.adapter import AdapterShape, DraftAdapter, read_adapter, save_adapter
+from hf_selfspec.files import adapter_files
 from hf_selfspec.profiles import TunedProfile, device_profile_key, write_profile
 from test_lossless import _assert_same_greedy, _prompts
 from test_sampling import _exact_joint, _goodness_of_fit, _sample_counts, sampling_model

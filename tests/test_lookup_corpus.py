@@ -13,9 +13,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from hf_selfspec.adapter import adapter_files, anchor_profile_files
 from hf_selfspec.consistency import check_greedy_consistency
+from hf_selfspec.files import adapter_files
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus, save_lookup_corpus
+from hf_selfspec.profile_files import anchor_profile_files
 from hf_selfspec.profiles import TunedProfile, device_profile_key, write_profile
 from test_lossless import _assert_same_greedy, _prompts
 from test_sampling import VOCAB, _exact_joint, _goodness_of_fit, _sample_counts

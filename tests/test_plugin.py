@@ -121,23 +121,23 @@ def test_a_prompt_on_another_device_than_the_model_moves_there_and_the_output_ba
     where the model is. No second device here, so the meta device stands in for the GPU."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    from hf_selfspec.mixin import _output_on_device, _prompt_on_device
+    from hf_selfspec.mixin import output_on_device, prompt_on_device
 
     gpu = torch.device("meta")
     mask = torch.ones_like(PROMPT)
-    args, kwargs, caller = _prompt_on_device(gpu, (PROMPT,), {"attention_mask": mask, "max_new_tokens": 4})
+    args, kwargs, caller = prompt_on_device(gpu, (PROMPT,), {"attention_mask": mask, "max_new_tokens": 4})
     assert caller == torch.device("cpu")
     assert args[0].device == gpu and kwargs["attention_mask"].device == gpu and kwargs["max_new_tokens"] == 4
-    args, kwargs, caller = _prompt_on_device(gpu, (), {"input_ids": PROMPT})
+    args, kwargs, caller = prompt_on_device(gpu, (), {"input_ids": PROMPT})
     assert caller == torch.device("cpu") and kwargs["input_ids"].device == gpu
     same = {"input_ids": PROMPT, "attention_mask": mask}
-    assert _prompt_on_device(torch.device("cpu"), (), same) == ((), same, None)
+    assert prompt_on_device(torch.device("cpu"), (), same) == ((), same, None)
 
     output = GenerateDecoderOnlyOutput(sequences=PROMPT, scores=(torch.zeros(1, 8),), logits=None)
-    moved = _output_on_device(output, gpu)
+    moved = output_on_device(output, gpu)
     assert moved.sequences.device == gpu and moved.scores[0].device == gpu and moved.logits is None
-    assert _output_on_device(PROMPT, gpu).device == gpu
-    assert _output_on_device(PROMPT, None) is PROMPT
+    assert output_on_device(PROMPT, gpu).device == gpu
+    assert output_on_device(PROMPT, None) is PROMPT
 
 
 def test_a_pipeline_takes_an_enabled_model_silently(tiny_llama_dir, capfd):

@@ -151,9 +151,9 @@ def test_backoff_probes_a_close_loser_sooner_and_a_free_winner_on_schedule():
 
 
 def test_throughput_is_a_plain_mean_until_the_smoothing_has_enough_steps():
-    from hf_selfspec.policies import _Throughput
+    from hf_selfspec.policies import Throughput
 
-    throughput = _Throughput()
+    throughput = Throughput()
     for committed in (1, 4, 1, 4):
         throughput.add(committed, 1.0, smoothing=0.8)
     assert throughput.tokens == pytest.approx(2.5) and throughput.seconds == pytest.approx(1.0)
@@ -288,21 +288,22 @@ def test_a_draft_source_measured_where_lookup_had_nothing_is_compared_without_a_
     assert all(_choose_sources(choice, first + 3, lookup_cost=1.0, model_cost=3.0))
 
 
-class _ScriptedDraft(hf_selfspec.drafters.Drafter):
+class _ScriptedDraft(hf_selfspec.decoding_types.Drafter):
     """The model's draft, scripted: always `tokens`, recording the feedback it is given."""
 
     def __init__(self, tokens: list[int]):
         self.tokens, self.feedback = tokens, []
 
     def propose(self, state, max_tokens, exit_policy, selector):
-        return hf_selfspec.drafters.Draft(tokens=self.tokens[:max_tokens])
+        return hf_selfspec.decoding_types.Draft(tokens=self.tokens[:max_tokens])
 
     def record(self, draft, accepted, committed, seconds):
         self.feedback.append((draft.tokens, accepted, committed, seconds))
 
 
 def test_lookup_drafter_learns_its_length_from_the_verifier_and_passes_the_model_its_feedback():
-    from hf_selfspec.drafters import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState, PromptLookupDrafter
+    from hf_selfspec.decoding_types import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState
+    from hf_selfspec.drafters import PromptLookupDrafter
     from hf_selfspec.policies import AdaptiveLookupLength, DraftSourceChoice
 
     model = _ScriptedDraft([90, 91, 92])

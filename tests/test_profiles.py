@@ -10,12 +10,12 @@ import torch
 from transformers import GenerationConfig
 
 from hf_selfspec.embedded import TUNED_CONFIG
+from hf_selfspec.profile_files import files_named_by
 from hf_selfspec.profiles import (
     PROFILE_KEY,
     TunedProfile,
     device_profile_key,
     parse_profile,
-    profile_files,
     read_profiles,
     read_profiles_file,
     write_profile,
@@ -137,4 +137,4 @@ def test_every_shipped_profile_reads_and_has_its_files_beside_it(path):
     assert profiles
     for profile in profiles.values():
         resolve_strategy(profile.strategy)
-    profile_files(profiles, path.parent)
+    files_named_by(profiles, path.parent)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import hf_selfspec
-from hf_selfspec.adapter import anchor_profile_files
 from hf_selfspec.cache import cache_keyword
 from hf_selfspec.consistency import check_greedy_consistency
+from hf_selfspec.dtypes import has_native_bfloat16
 from hf_selfspec.embedded import TUNED_CONFIG
-from hf_selfspec.loading import has_native_bfloat16
+from hf_selfspec.profile_files import anchor_profile_files
 from hf_selfspec.profiles import read_profiles_file
 from hf_selfspec.prompts import encode_prompt, load_prompts
 

@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 
 from transformers import LogitsProcessorList
 
-from hf_selfspec.drafters import DecodingState, Draft
+from hf_selfspec.decoding_types import DecodingState, Draft
 from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.verifier import verify

@@ -15,8 +15,8 @@ from test_kangaroo import _random_adapter, assert_profile_drafts_losslessly
 from tiny_models import tiny_model
 from tuning_helpers import write_study_config
 
-from hf_selfspec.adapter import adapter_files
 from hf_selfspec.cli import main
+from hf_selfspec.files import adapter_files
 from hf_selfspec.hub.package import PackageError, package
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import PROFILE_KEY

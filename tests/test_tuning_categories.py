@@ -28,7 +28,7 @@ from hf_selfspec.tuning.objective import PreparedPrompt, SpeedupObjective
 from hf_selfspec.tuning.space import suggest_params, warm_start_trials
 from hf_selfspec.tuning.storage import StudyContext, derive_study_name
 from hf_selfspec.tuning.study_prompts import select_study_prompts
-from hf_selfspec.tuning.tune import TuneOutcome, _confirm, format_summary
+from hf_selfspec.tuning.tune import TuneOutcome, confirm_estimates, format_summary
 
 NUM_LAYERS = 4
 
@@ -226,7 +226,7 @@ def test_only_feasible_estimates_are_confirmed_and_the_summary_names_the_rest(tm
         return 1.2
 
     storage = optuna.storages.RDBStorage(storage_url)
-    confirmed = _confirm(storage, "s", estimated, _context(tiny_llama_dir), config, measuring, False)
+    confirmed = confirm_estimates(storage, "s", estimated, _context(tiny_llama_dir), config, measuring, False)
     assert [t.user_attrs["estimated_trial"] for t in confirmed.trials] == [2]
     summary = format_summary(TuneOutcome(estimated, storage_url, {}, confirmed))
     assert "Below the category floor in s:estimated" in summary

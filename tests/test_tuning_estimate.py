@@ -10,7 +10,8 @@ from transformers import LogitsProcessorList
 from tuning_helpers import write_study_config
 
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.drafters import DecodingState, LayerSkipDrafter
+from hf_selfspec.decoding_types import DecodingState
+from hf_selfspec.drafters import LayerSkipDrafter
 from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.params import resolve_params
 from hf_selfspec.policies import ExitPolicy, ThroughputBackoff

@@ -11,7 +11,7 @@ import pytest
 from optuna.trial import TrialState
 from tuning_helpers import write_study_config
 
-from hf_selfspec.adapter import adapter_files
+from hf_selfspec.files import adapter_files
 from hf_selfspec.cli import main
 from hf_selfspec.hub.package import bundled_profiles_for_repository, package
 from hf_selfspec.loading import load_model_and_tokenizer

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_selfspec.adapter import adapter_files, read_adapter, read_adapter_shape
+from hf_selfspec.adapter import read_adapter, read_adapter_shape
+from hf_selfspec.files import adapter_files
 from hf_selfspec.lookup_corpus import read_corpus_description
 from hf_selfspec.prompts import HELD_OUT_SPLIT, HUMANEVAL, TUNE_SPLIT, WORKLOAD
 from hf_selfspec.strategies import available_strategies, resolve_strategy

@@ -38,15 +38,8 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from hf_selfspec.adapter import DraftAdapter, load_adapter, read_adapter_shape
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.drafters import (
-    MODEL_SOURCE,
-    DecodingState,
-    Draft,
-    Drafter,
-    LayerSkipDrafter,
-    RestrictedDraftHead,
-    ShallowExitDrafter,
-)
+from hf_selfspec.decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter
+from hf_selfspec.drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import SkippingDecoder, decoder_layers

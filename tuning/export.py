@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_selfspec.adapter import AdapterConflictError, adapter_digest, copy_adapter
 from hf_selfspec.inputs import InputError, output_directory
 from hf_selfspec.loading import EMBEDDED
+from hf_selfspec.profile_files import AdapterConflictError, adapter_digest, copy_adapter
 from hf_selfspec.profiles import TunedProfile, read_config_json, write_profile
 
 from . import TuningError

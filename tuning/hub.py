@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_selfspec.adapter import adapter_files
+from hf_selfspec.files import adapter_files
 from hf_selfspec.hub.package import (
     BUNDLED_PROFILES_MODULE,
     CUSTOM_GENERATE_DIR,
     bundled_profiles_for_repository,
     check_package_folder,
 )
-from hf_selfspec.profiles import profile_files, read_config_json, read_profiles_file
+from hf_selfspec.profile_files import files_named_by
+from hf_selfspec.profiles import read_config_json, read_profiles_file
 
 from . import TuningError
 from .export import CONFIG_NAME
@@ -118,7 +119,7 @@ def _profiles_to_push(path: Path):
     would not load once pushed: malformed, or naming an adapter that is not beside it."""
     try:
         profiles = read_profiles_file(path)
-        named_files = profile_files(profiles, path.parent)
+        named_files = files_named_by(profiles, path.parent)
     except (ValueError, OSError) as error:
         raise PushError(f"{path}: {error}") from None
     if not profiles:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_selfspec.inputs import InputError, model_name, read_text_file, usable_device
-from hf_selfspec.loading import AUTO, EMBEDDED, load_model_and_tokenizer, parse_dtype
+from hf_selfspec.dtypes import AUTO, parse_dtype
+from hf_selfspec.loading import EMBEDDED, load_model_and_tokenizer
 
 from . import TuningError
 

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from hf_selfspec.adapter import adapter_digest
+from hf_selfspec.profile_files import adapter_digest
 
 from . import TuningError
 from .categories import describe_categories, is_feasible
@@ -274,11 +274,14 @@ def run_tune(
     outcome = TuneOutcome(study, storage_url, this_run)
     if estimated and config.study.confirm_top:
         measuring = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
-        outcome.confirmed = _confirm(storage, measured_name, study, context, config, measuring, show_progress)
+        outcome.confirmed = confirm_estimates(storage, measured_name, study, context, config, measuring, show_progress)
     return outcome
 
 
-def _confirm(storage, measured_name: str, estimated: optuna.Study, context: StudyContext, config: StudyConfig, measuring, show_progress: bool) -> optuna.Study:
+def confirm_estimates(
+    storage, measured_name: str, estimated: optuna.Study, context: StudyContext, config: StudyConfig, measuring,
+    show_progress: bool,
+) -> optuna.Study:
     """Measure the best feasible estimated trials by real decoding, as trials of the measured study.
 
     Each is enqueued once (a trial with the same parameters already there is not repeated), and

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_selfspec.adapter import adapter_files
+from hf_selfspec.files import adapter_files
 from hf_selfspec.inputs import file_stem
 from hf_selfspec.lookup_corpus import save_lookup_corpus
 

@@ -13,9 +13,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..adapter import anchor_profile_files
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
+from ..profile_files import anchor_profile_files
 from ..profiles import TunedProfile, device_profile_key, read_profiles, read_profiles_file
 from ..strategies import resolve_strategy
 

@@ -19,13 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..adapter import check_adapter_copy, copy_adapter, hub_file_address
 from ..compatibility import declared_requirements
 from ..params import PATH_KEYS
+from ..profile_files import check_adapter_copy, copy_adapter, files_named_by, hub_file_address
 from ..profiles import (
     PROFILE_KEY,
     TunedProfile,
-    profile_files,
     read_config_json,
     read_profiles,
     read_profiles_file,
@@ -115,7 +114,7 @@ def _read_config(path: Path) -> tuple[dict[str, Any], list[str]]:
     if not profiles:
         raise PackageError(f"--config {path} holds no {PROFILE_KEY} profile; write one with `hf-selfspec export`")
     try:
-        files = profile_files(profiles, path.parent)
+        files = files_named_by(profiles, path.parent)
     except ValueError as error:
         raise PackageError(f"--config {path}: {error}") from None
     return data, files
