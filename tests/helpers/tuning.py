@@ -17,7 +17,7 @@ from hf_selfspec.tuning.config import SearchConfig
 from hf_selfspec.tuning.space import skip_ratio, suggest_params, warm_start_trials
 from hf_selfspec.tuning.storage import StudyContext
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT
 
 
 def write_study_config(

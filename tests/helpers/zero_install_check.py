@@ -1,9 +1,9 @@
 """Decode through a packaged folder in an interpreter that cannot import hf_selfspec.
 
-Run as `python -I -S zero_install_check.py SPEC.json` by tests/test_zero_install.py: `-I -S` skips
-the site hooks that install hf_selfspec's editable finder, the spec's `site_packages` then give
-torch and transformers back, and an import blocker refuses hf_selfspec should a regular install
-sit there too. Prints one JSON object of facts for the test to assert on.
+Run as `python -I -S zero_install_check.py SPEC.json` by `helpers.zero_install.run_isolated`:
+`-I -S` skips the site hooks that install hf_selfspec's editable finder, the spec's
+`site_packages` then give torch and transformers back, and an import blocker refuses hf_selfspec
+should a regular install sit there too. Prints one JSON object of facts for the test to assert on.
 
 The spec: `package` (a folder written by `hf-selfspec package`, or null), `model` (a model
 directory without custom_generate/), `model_repo` (the same model with the package in it, as a

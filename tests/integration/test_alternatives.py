@@ -8,9 +8,9 @@ import torch
 
 from hf_selfspec.alternatives import verification_inputs
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from test_kangaroo import _random_adapter
-from test_lossless import _assert_same_greedy, _prompts
-from tiny_models import NUM_LAYERS, SLIDING_WINDOW, tiny_model
+from helpers.adapters import random_adapter
+from helpers.greedy import assert_same_greedy, random_prompts
+from helpers.tiny_models import NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.version_sensitive
 
@@ -79,9 +79,9 @@ def test_layer_skip_drafts_with_alternatives_match_plain_greedy(architecture, dr
     rescued = 0
     for sharpness in (None, 0.3):
         model = tiny_model(architecture, initializer_range=sharpness)
-        for prompt in _prompts(model.config.vocab_size):
+        for prompt in random_prompts(model.config.vocab_size):
             for alternatives in (1, 2):
-                output = _assert_same_greedy(
+                output = assert_same_greedy(
                     model, prompt, strategy=strategy, max_draft_tokens=5, draft_exit_threshold=0.0,
                     target_confidence_threshold=0.0, backoff_probe_interval=0, draft_alternatives=alternatives,
                     **DRAFTS[draft],
@@ -98,10 +98,10 @@ def test_kangaroo_with_alternatives_matches_plain_greedy(architecture, exit_laye
     rescued = 0
     for sharpness in (None, 0.3):
         model = tiny_model(architecture, initializer_range=sharpness)
-        adapter = _random_adapter(model, exit_layer, tmp_path, mlp=exit_layer == 1)
-        for prompt in _prompts(model.config.vocab_size):
+        adapter = random_adapter(model, exit_layer, tmp_path, mlp=exit_layer == 1)
+        for prompt in random_prompts(model.config.vocab_size):
             for knobs in ({"draft_alternatives": 1}, {"draft_alternatives": 2, "draft_vocab_size": 24}):
-                output = _assert_same_greedy(
+                output = assert_same_greedy(
                     model, prompt, strategy="kangaroo", draft_adapter=adapter, max_draft_tokens=5,
                     draft_exit_threshold=0.0, backoff_probe_interval=0, **knobs,
                 )
@@ -117,7 +117,7 @@ def test_an_accepted_alternative_adds_the_verifiers_next_token():
     knobs = dict(max_new_tokens=40, do_sample=False, return_dict_in_generate=True, strategy="self_speculative",
                  attn_skip_layers=[1, 3], mlp_skip_layers=[2], max_draft_tokens=1, backoff_probe_interval=0)
     chain_steps = branched_steps = rescued = 0
-    for prompt in _prompts(96):
+    for prompt in random_prompts(96):
         chain = model.generate(prompt, **knobs).strategy_stats
         branched = model.generate(prompt, draft_alternatives=3, **knobs).strategy_stats
         assert branched.verification_steps + branched.plain_steps <= chain.verification_steps + chain.plain_steps
@@ -129,7 +129,7 @@ def test_an_accepted_alternative_adds_the_verifiers_next_token():
 
 def test_scores_and_end_of_text_where_an_alternative_was_accepted():
     model = tiny_model("qwen3", initializer_range=0.3)
-    prompt = _prompts(96)[2]
+    prompt = random_prompts(96)[2]
     kwargs = dict(max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_scores=True)
     plain = model.generate(prompt, strategy="plain", **kwargs)
     ours = model.generate(prompt, strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
@@ -157,7 +157,7 @@ def test_greedy_with_logits_processors_and_alternatives_matches_plain(architectu
     processed = dict(max_new_tokens=30, do_sample=False, repetition_penalty=2.0, no_repeat_ngram_size=2,
                      min_new_tokens=20)
     rescued = 0
-    for prompt in _prompts(model.config.vocab_size):
+    for prompt in random_prompts(model.config.vocab_size):
         expected = model.generate(prompt, strategy="plain", **processed)
         output = model.generate(
             prompt, strategy="self_speculative", max_draft_tokens=5, draft_exit_threshold=0.0, backoff_probe_interval=0,
@@ -175,11 +175,11 @@ def test_sliding_window_models_with_alternatives_match_plain_greedy(architecture
     rescued = 0
     for sharpness in (None, 0.3):
         model = tiny_model(architecture, initializer_range=sharpness)
-        adapter = _random_adapter(model, 1, tmp_path, mlp=True)
-        for prompt in _prompts(model.config.vocab_size):
+        adapter = random_adapter(model, 1, tmp_path, mlp=True)
+        for prompt in random_prompts(model.config.vocab_size):
             for draft in ({**DRAFTS["layer_skip"], "strategy": "adaptive_draft_exit"},
                           {"strategy": "kangaroo", "draft_adapter": adapter}):
-                output = _assert_same_greedy(
+                output = assert_same_greedy(
                     model, prompt, max_draft_tokens=5, draft_exit_threshold=0.0, backoff_probe_interval=0,
                     draft_alternatives=2, **draft,
                 )
@@ -200,18 +200,18 @@ def test_attention_a_hand_built_mask_cannot_express_refuses_alternatives(setting
     for name, value in settings.items():
         setattr(model.config, name, value)
     with pytest.raises(ValueError, match=f"draft_alternatives {message}.*use draft_alternatives=0"):
-        model.generate(_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="self_speculative",
+        model.generate(random_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="self_speculative",
                        draft_alternatives=1)
 
 
 def test_an_assistant_model_refuses_alternatives():
     model, assistant = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
     with pytest.raises(ValueError, match="draft_alternatives needs the model's own draft"):
-        model.generate(_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="target_confidence_gated",
+        model.generate(random_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="target_confidence_gated",
                        assistant_model=assistant, draft_alternatives=1)
 
 
 def test_a_negative_count_is_refused():
     with pytest.raises(ValueError, match="draft_alternatives must be >= 0"):
-        tiny_model("llama").generate(_prompts(96)[0], max_new_tokens=4, strategy="self_speculative",
+        tiny_model("llama").generate(random_prompts(96)[0], max_new_tokens=4, strategy="self_speculative",
                                      draft_alternatives=-1)

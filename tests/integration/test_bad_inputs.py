@@ -9,7 +9,7 @@ import socket
 import optuna
 import pytest
 import torch
-from tuning_helpers import write_study_config
+from helpers.tuning import write_study_config
 
 from hf_selfspec.cli import main
 from hf_selfspec.tuning import TuningError

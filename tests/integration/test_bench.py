@@ -422,14 +422,14 @@ def test_a_draft_adapter_adds_the_kangaroo_contender(tiny_llama_dir, prompt_file
 def test_compare_config_runs_another_tuned_profile_in_the_same_run(tiny_llama_dir, prompt_file, tmp_path, capsys):
     """Two tuned profiles for one device and dtype, one interleaved run; the compared profile's
     adapter resolves beside its own config, not the model's."""
-    from test_kangaroo import _random_adapter
+    from helpers.adapters import random_adapter
 
     config = tmp_path / "generation_config.json"
     config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": {
         "strategy": "self_speculative", "params": {"attn_skip_layers": [1], "draft_exit_threshold": 0.0}}}}))
     other_dir = tmp_path / "elsewhere"
     model, _ = load_model_and_tokenizer(str(tiny_llama_dir), device="cpu")
-    adapter = _random_adapter(model, 1, other_dir)
+    adapter = random_adapter(model, 1, other_dir)
     other = other_dir / "kangaroo-generation_config.json"
     other.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": {
         "strategy": "kangaroo", "params": {"draft_adapter": "adapter-1-1.safetensors", "max_draft_tokens": 3,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kangaroo import _random_adapter
+from helpers import REPO_ROOT
+from helpers.adapters import random_adapter
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 import hf_selfspec
@@ -49,7 +50,7 @@ def shared(tiny_llama_dir, tmp_path_factory):
     model.generation_config.eos_token_id = None  # every call decodes all its tokens
     setattr(model.generation_config, PROFILE_KEY, {"cpu/float32": PROFILE})
     directory = tmp_path_factory.mktemp("concurrency")
-    adapter = _random_adapter(model, 1, directory)
+    adapter = random_adapter(model, 1, directory)
     config = directory / "package-config" / "generation_config.json"
     config.parent.mkdir()
     config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": PROFILE}}))
@@ -205,7 +206,7 @@ def test_threads_sharing_the_embedded_model_with_its_default_profile(tmp_path):
 
 def test_the_readme_streams_a_strategy_from_a_thread(shared):
     model, tokenizer, _, _ = shared
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (REPO_ROOT / "README.md").read_text()
     section = readme[readme.index("### Serving from threads") :]
     snippet = section[section.index("```python\n") + len("```python\n") : section.index("\n```", section.index("```python"))]
     namespace = {"model": model, "tokenizer": tokenizer}

@@ -15,8 +15,8 @@ from transformers import DynamicCache, StaticCache
 
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
 from hf_selfspec.cache import CACHE_ARGUMENT, cache_keyword
-from test_kangaroo import _random_adapter
-from tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
+from helpers.adapters import random_adapter
+from helpers.tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.version_sensitive
 
@@ -57,7 +57,7 @@ def test_a_chat_continues_from_its_earlier_turns_as_plain_decoding_does(architec
     model = tiny_model(architecture, initializer_range=0.3)
     strategy_kwargs = dict(DRAFTS[draft])
     if draft == "kangaroo":
-        strategy_kwargs["draft_adapter"] = _random_adapter(model, 1, tmp_path)
+        strategy_kwargs["draft_adapter"] = random_adapter(model, 1, tmp_path)
     if draft == "assistant":
         strategy_kwargs["assistant_model"] = tiny_model(architecture, initializer_range=0.3, seed=1)
     generator = torch.Generator().manual_seed(7)

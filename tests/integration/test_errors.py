@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, SynthIDTextWatermarkingCon
 
 import hf_selfspec
 from hf_selfspec import embedded
-from tiny_models import NUM_LAYERS, tiny_model
+from helpers.tiny_models import NUM_LAYERS, tiny_model
 
 PROMPT = torch.tensor([[1, 2, 3, 4]])
 

@@ -12,9 +12,10 @@ from transformers import GenerationConfig
 import hf_selfspec
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, adapter_files, read_adapter, save_adapter
 from hf_selfspec.profiles import TunedProfile, device_profile_key, write_profile
-from test_lossless import _assert_same_greedy, _prompts
-from test_sampling import _exact_joint, _goodness_of_fit, _sample_counts, sampling_model
-from tiny_models import ARCHITECTURES, NUM_LAYERS, tiny_model
+from helpers.adapters import assert_profile_drafts_losslessly, random_adapter
+from helpers.greedy import assert_same_greedy, random_prompts
+from helpers.sampling import exact_joint, goodness_of_fit, sample_counts, sampling_model
+from helpers.tiny_models import ARCHITECTURES, NUM_LAYERS, tiny_model
 
 pytestmark = pytest.mark.version_sensitive
 
@@ -25,26 +26,15 @@ KNOBS = [
 ]
 
 
-def _random_adapter(model, exit_layer: int, directory, mlp: bool = True, seed: int = 5) -> str:
-    """An adapter whose weights are the copied layer's, perturbed: a poor draft, which is what
-    exercises rejections and rollbacks."""
-    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in adapter.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return str(save_adapter(adapter, directory / f"adapter-{exit_layer}-{int(mlp)}"))
-
-
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("exit_layer", [1, NUM_LAYERS - 1])
 def test_kangaroo_matches_plain_greedy(architecture, exit_layer, tmp_path):
     for sharpness in (None, 0.3):
         model = tiny_model(architecture, initializer_range=sharpness)
-        adapter = _random_adapter(model, exit_layer, tmp_path, mlp=exit_layer == 1)
+        adapter = random_adapter(model, exit_layer, tmp_path, mlp=exit_layer == 1)
         drafted = 0
-        for prompt, knobs in zip(_prompts(model.config.vocab_size), KNOBS):
-            output = _assert_same_greedy(
+        for prompt, knobs in zip(random_prompts(model.config.vocab_size), KNOBS):
+            output = assert_same_greedy(
                 model, prompt, strategy="kangaroo", draft_adapter=adapter, max_draft_tokens=5,
                 backoff_probe_interval=0, **knobs,
             )
@@ -58,9 +48,9 @@ def test_an_unchanged_copy_of_the_last_layer_is_the_full_model(tmp_path):
     computed) lines up with the committed text position by position."""
     model = tiny_model("llama", initializer_range=0.3)
     path = save_adapter(DraftAdapter(model, AdapterShape.for_model(model, NUM_LAYERS - 1)), tmp_path / "exact")
-    for prompt in _prompts(96):
-        output = _assert_same_greedy(model, prompt, strategy="kangaroo", draft_adapter=str(path),
-                                     draft_exit_threshold=0.0, max_draft_tokens=4, backoff_probe_interval=0)
+    for prompt in random_prompts(96):
+        output = assert_same_greedy(model, prompt, strategy="kangaroo", draft_adapter=str(path),
+                                    draft_exit_threshold=0.0, max_draft_tokens=4, backoff_probe_interval=0)
         assert output.strategy_stats.drafted_tokens > 0
         assert output.strategy_stats.acceptance_rate == 1.0
 
@@ -78,16 +68,16 @@ def test_an_unchanged_copy_of_the_last_layer_is_the_full_model(tmp_path):
 @pytest.mark.parametrize("architecture", ["gemma2", "qwen2"])
 def test_the_adapter_draft_composes_with_lookup_gate_and_backoff(architecture, composition, tmp_path):
     model = tiny_model(architecture, initializer_range=0.3)
-    adapter = _random_adapter(model, 2, tmp_path)
-    for prompt in _prompts(96):
-        _assert_same_greedy(model, prompt, draft_adapter=adapter, draft_exit_threshold=0.0, **composition)
+    adapter = random_adapter(model, 2, tmp_path)
+    for prompt in random_prompts(96):
+        assert_same_greedy(model, prompt, draft_adapter=adapter, draft_exit_threshold=0.0, **composition)
 
 
 def test_sampling_keeps_the_distribution(tmp_path):
     model = sampling_model()
-    adapter = _random_adapter(model, 1, tmp_path)
-    counts = _sample_counts(model, seed=2024, strategy="kangaroo", draft_adapter=adapter, draft_exit_threshold=0.0)
-    assert _goodness_of_fit(counts, _exact_joint(model)) > 1e-3
+    adapter = random_adapter(model, 1, tmp_path)
+    counts = sample_counts(model, seed=2024, strategy="kangaroo", draft_adapter=adapter, draft_exit_threshold=0.0)
+    assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -100,20 +90,6 @@ def test_save_and_load_round_trip(tmp_path):
     for name, tensor in adapter.trained_state().items():
         torch.testing.assert_close(loaded.trained_state()[name], tensor)
     assert not any(name.startswith("block.mlp.") for name in loaded.trained_state())
-
-
-def assert_profile_drafts_losslessly(model_dir, config_path, text: str = "def add(a, b):"):
-    """Load the model with `config_path` as its generation config and check that its profile
-    drafts with kangaroo and keeps plain greedy's tokens; returns the model and the inputs."""
-    from hf_selfspec.loading import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), generation_config=config_path)
-    inputs = tokenizer(text, return_tensors="pt")
-    output = model.generate(**inputs, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
-    assert output.strategy_stats.strategy == "kangaroo" and output.strategy_stats.drafted_tokens > 0
-    plain = model.generate(**inputs, max_new_tokens=12, do_sample=False, strategy="plain")
-    assert output.sequences.tolist() == plain.tolist()
-    return model, inputs
 
 
 def test_a_profile_names_its_adapter_relative_to_its_config(tiny_llama_dir, tmp_path):
@@ -201,7 +177,7 @@ def test_an_adapter_copied_from_layers_with_transformers_output_hooks_runs_witho
     """A kangaroo verification asks transformers for a hidden state, which installs its output
     capture hooks on the model's layers; the adapter's block, a copy of one, must not carry them."""
     model = tiny_model("llama")
-    path = _random_adapter(model, 1, tmp_path)
+    path = random_adapter(model, 1, tmp_path)
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False, strategy="kangaroo",
                    draft_adapter=path)
     assert any(module._forward_hooks for module in model.modules())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, SLIDING_WINDOW, tiny_model
+from helpers.tiny_models import ARCHITECTURES, SLIDING_WINDOW, tiny_model
 
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import RestrictedDraftHead

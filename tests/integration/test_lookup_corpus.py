@@ -17,10 +17,9 @@ from hf_selfspec.adapter import adapter_files, anchor_profile_files
 from hf_selfspec.consistency import check_greedy_consistency
 from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus, save_lookup_corpus
 from hf_selfspec.profiles import TunedProfile, device_profile_key, write_profile
-from test_lossless import _assert_same_greedy, _prompts
-from test_sampling import VOCAB, _exact_joint, _goodness_of_fit, _sample_counts
-from test_sampling import model as sampling_model  # noqa: F401  (the fixture)
-from tiny_models import ARCHITECTURES, tiny_model
+from helpers.greedy import assert_same_greedy, random_prompts
+from helpers.sampling import VOCAB, exact_joint, goodness_of_fit, sample_counts, sampling_model
+from helpers.tiny_models import ARCHITECTURES, tiny_model
 
 LOOKUP = dict(prompt_lookup_tokens=4, prompt_lookup_min_ngram=1, prompt_lookup_ngram=3, backoff_probe_interval=0)
 
@@ -88,14 +87,14 @@ def test_lookups_in_the_corpus_match_plain_greedy(architecture, tmp_path):
     model = tiny_model(architecture, initializer_range=0.3)
     corpus = _own_writing_corpus(model, tmp_path)
     with_corpus = without = 0
-    for prompt in _prompts(model.config.vocab_size):
+    for prompt in random_prompts(model.config.vocab_size):
         # A closed gate: every proposal is a lookup, in the text or in the corpus.
         for strategy, knobs in (("target_confidence_gated", {"target_confidence_threshold": 1.0}),
                                 ("self_speculative", {"draft_exit_threshold": 0.0, "attn_skip_layers": [1]})):
-            output = _assert_same_greedy(model, prompt, strategy=strategy, lookup_corpus=corpus, **LOOKUP, **knobs)
+            output = assert_same_greedy(model, prompt, strategy=strategy, lookup_corpus=corpus, **LOOKUP, **knobs)
             if strategy == "target_confidence_gated":  # only lookups propose there
                 with_corpus += output.strategy_stats.drafted_tokens
-                output = _assert_same_greedy(model, prompt, strategy=strategy, **LOOKUP, **knobs)
+                output = assert_same_greedy(model, prompt, strategy=strategy, **LOOKUP, **knobs)
                 without += output.strategy_stats.drafted_tokens
     assert with_corpus > without  # the corpus really proposes where the text alone does not
 
@@ -104,7 +103,7 @@ def test_lookups_in_the_corpus_match_plain_greedy(architecture, tmp_path):
 def test_lookups_in_the_corpus_are_consistent_in_bfloat16(architecture, tmp_path):
     model = tiny_model(architecture, initializer_range=0.3).to(torch.bfloat16)
     corpus = _own_writing_corpus(model, tmp_path)
-    for prompt in _prompts(model.config.vocab_size):
+    for prompt in random_prompts(model.config.vocab_size):
         length, new_tokens = prompt.shape[1], 29
         plain = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, strategy="plain",
                                return_dict_in_generate=True, output_logits=True)
@@ -116,14 +115,15 @@ def test_lookups_in_the_corpus_are_consistent_in_bfloat16(architecture, tmp_path
         assert check.consistent, check
 
 
-def test_sampling_with_corpus_proposals_keeps_the_distribution(sampling_model, tmp_path):  # noqa: F811
+def test_sampling_with_corpus_proposals_keeps_the_distribution(tmp_path):
+    model = sampling_model()
     generator = torch.Generator().manual_seed(3)
     texts = [torch.randint(0, VOCAB, (12,), generator=generator).tolist() for _ in range(20)]
     corpus = str(save_lookup_corpus(texts, tmp_path / "corpus", VOCAB, "random"))
-    counts = _sample_counts(sampling_model, seed=2024, strategy="target_confidence_gated", target_confidence_threshold=1.0,
-                            lookup_corpus=corpus, prompt_lookup_tokens=2, prompt_lookup_min_ngram=2,
-                            prompt_lookup_ngram=2)
-    assert _goodness_of_fit(counts, _exact_joint(sampling_model)) > 1e-3
+    counts = sample_counts(model, seed=2024, strategy="target_confidence_gated", target_confidence_threshold=1.0,
+                           lookup_corpus=corpus, prompt_lookup_tokens=2, prompt_lookup_min_ngram=2,
+                           prompt_lookup_ngram=2)
+    assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
 
 
 def _generate(model, corpus, **knobs):

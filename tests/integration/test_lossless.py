@@ -9,7 +9,8 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_selfspec
 from hf_selfspec.consistency import check_greedy_consistency
-from tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
+from helpers.greedy import assert_same_greedy, random_prompts
+from helpers.tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
 pytestmark = pytest.mark.version_sensitive
 
@@ -29,20 +30,6 @@ STRATEGY_KNOBS = [
 ]
 
 
-def _prompts(vocab_size: int, count: int = 3) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, vocab_size, (1, length), generator=generator) for length in (3, 9, 17)[:count]]
-
-
-def _assert_same_greedy(model, prompt, new_tokens=3 * SLIDING_WINDOW + 5, **strategy_kwargs):
-    expected = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, strategy="plain")
-    output = model.generate(
-        prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **strategy_kwargs
-    )
-    assert output.sequences.tolist() == expected.tolist(), strategy_kwargs
-    return output
-
-
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("skip_set", sorted(SKIP_SETS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -50,8 +37,8 @@ def test_every_strategy_matches_plain_greedy(architecture, skip_set, strategy):
     attn_skip_layers, mlp_skip_layers = SKIP_SETS[skip_set]
     for sharpness in (None, 0.3):  # sharper weights give long accepted runs across the window
         model = tiny_model(architecture, initializer_range=sharpness)
-        for prompt, knobs in zip(_prompts(model.config.vocab_size), STRATEGY_KNOBS):
-            output = _assert_same_greedy(
+        for prompt, knobs in zip(random_prompts(model.config.vocab_size), STRATEGY_KNOBS):
+            output = assert_same_greedy(
                 model,
                 prompt,
                 strategy=strategy,
@@ -80,7 +67,7 @@ def test_every_strategy_is_consistent_with_plain_greedy_in_reduced_precision(arc
     drafted = 0
     for sharpness in (None, 0.3):
         model = tiny_model(architecture, initializer_range=sharpness).to(dtype)
-        prompts = _prompts(model.config.vocab_size) * 2
+        prompts = random_prompts(model.config.vocab_size) * 2
         for prompt, knobs in zip(prompts, REDUCED_PRECISION_KNOBS):
             new_tokens, length = 3 * SLIDING_WINDOW + 5, prompt.shape[1]
             plain = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, strategy="plain",
@@ -99,8 +86,8 @@ def test_every_strategy_is_consistent_with_plain_greedy_in_reduced_precision(arc
 def test_drafts_are_really_exercised():
     """Guard against a loop that silently stops drafting and passes every equality test."""
     model = tiny_model("gemma2")
-    output = _assert_same_greedy(
-        model, _prompts(96)[1], strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
+    output = assert_same_greedy(
+        model, random_prompts(96)[1], strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
         draft_exit_threshold=0.0,
     )
     stats = output.strategy_stats
@@ -126,7 +113,7 @@ def llama():
     ids=["repetition_penalty", "no_repeat_ngram", "min_new_tokens_multi_eos", "combined"],
 )
 def test_config_processors_apply_at_every_verified_position(llama, strategy, settings):
-    for prompt in _prompts(96):
+    for prompt in random_prompts(96):
         plain = llama.generate(prompt, max_new_tokens=30, do_sample=False, strategy="plain", **settings)
         ours = llama.generate(
             prompt, max_new_tokens=30, do_sample=False, strategy=strategy, draft_exit_threshold=0.0,
@@ -142,7 +129,7 @@ def _eos_inside_plain_output(model, prompt) -> int:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_stops_at_eos_inside_an_accepted_draft(llama, strategy):
-    prompt = _prompts(96)[2]
+    prompt = random_prompts(96)[2]
     eos = _eos_inside_plain_output(llama, prompt)
     kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=[eos, 95], pad_token_id=0)
     plain = llama.generate(prompt, strategy="plain", **kwargs)
@@ -171,7 +158,7 @@ class _BanToken(LogitsProcessor):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_user_stopping_criteria_and_logits_processor(llama, strategy):
-    prompt = _prompts(96)[1]
+    prompt = random_prompts(96)[1]
     stop_token = _eos_inside_plain_output(llama, prompt)
     first_plain = int(llama.generate(prompt, max_new_tokens=1, do_sample=False, strategy="plain")[0, -1])
     common = dict(max_new_tokens=30, do_sample=False)
@@ -206,7 +193,7 @@ class _Recorder(BaseStreamer):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_streamer_receives_the_same_tokens(llama, strategy):
-    prompt = _prompts(96)[0]
+    prompt = random_prompts(96)[0]
     plain_stream, our_stream = _Recorder(), _Recorder()
     llama.generate(prompt, max_new_tokens=25, do_sample=False, strategy="plain", streamer=plain_stream)
     llama.generate(prompt, max_new_tokens=25, do_sample=False, strategy=strategy, streamer=our_stream,
@@ -236,7 +223,7 @@ def test_stop_strings_with_tokenizer(tiny_llama_dir):
 
 
 def test_scores_and_logits_match_plain(llama):
-    prompt = _prompts(96)[1]
+    prompt = random_prompts(96)[1]
     kwargs = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_scores=True,
                   output_logits=True, repetition_penalty=1.2)
     plain = llama.generate(prompt, strategy="plain", **kwargs)
@@ -252,11 +239,11 @@ def test_scores_and_logits_match_plain(llama):
 def test_gate_over_assistant_model_matches_plain(assistant_architecture):
     target = tiny_model("qwen2", initializer_range=0.3, seed=3)
     assistant = tiny_model(assistant_architecture, initializer_range=0.3, seed=4)
-    for prompt in _prompts(96):
+    for prompt in random_prompts(96):
         for threshold in (0.0, 0.3, 1.0):
-            output = _assert_same_greedy(target, prompt, strategy="target_confidence_gated",
-                                         assistant_model=assistant, target_confidence_threshold=threshold,
-                                         draft_exit_threshold=0.0)
+            output = assert_same_greedy(target, prompt, strategy="target_confidence_gated",
+                                        assistant_model=assistant, target_confidence_threshold=threshold,
+                                        draft_exit_threshold=0.0)
             if threshold == 0.0:
                 assert output.strategy_stats.drafted_tokens > 0
             if threshold == 1.0:
@@ -270,8 +257,8 @@ def test_adaptive_lookup_and_draft_source_choice_match_plain_greedy(architecture
     sources run) only change what is proposed: the tokens are plain greedy's."""
     for sharpness in (None, 0.3):
         model = tiny_model(architecture, initializer_range=sharpness)
-        for prompt in _prompts(model.config.vocab_size):
-            _assert_same_greedy(
+        for prompt in random_prompts(model.config.vocab_size):
+            assert_same_greedy(
                 model, prompt, strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
                 max_draft_tokens=3, draft_exit_threshold=0.0, prompt_lookup_tokens=2, prompt_lookup_min_ngram=1,
                 prompt_lookup_max_tokens=16, draft_source_probe_interval=2,

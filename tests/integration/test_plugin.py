@@ -8,7 +8,7 @@ from transformers.generation.stopping_criteria import ConfidenceCriteria
 
 import hf_selfspec
 from hf_selfspec import ExitPolicy, SelfSpecMixin, Strategy
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 PROMPT = torch.tensor([[5, 6, 7, 8]])
 

@@ -9,12 +9,9 @@ three-token drafts take seconds: every depth of a chain is tested with power to 
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from transformers import LogitsProcessorList
 
@@ -22,80 +19,16 @@ from hf_selfspec.drafters import DecodingState, Draft
 from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.verifier import verify
-from tiny_models import tiny_model
+from helpers.sampling import (
+    NEW_TOKENS, PROMPT, TEMPERATURE, TOP_K, VOCAB, exact_joint, goodness_of_fit, sample_counts, sampling_model,
+)
 
-VOCAB = 6
-# Four tokens, so that drafts of two tokens are verified (the draft is capped by the room left),
-# and weights flat enough that the first token is not a foregone conclusion: the joint spreads
-# over many cells, and a sampler that is off anywhere in it is caught.
-NEW_TOKENS = 4
-INITIALIZER_RANGE = 0.1
-SAMPLES = 1500
-TEMPERATURE = 0.8
-TOP_K = 5
-PROMPT = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])  # repeats itself, so prompt lookup finds drafts
 SKIP = dict(attn_skip_layers=[1, 2, 3], mlp_skip_layers=[1, 2, 3])
-
-
-def _warped_probabilities(logits: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """The processors plain sampling applies here: min_new_tokens bans EOS, then temperature, top-k."""
-    scores = logits.float()
-    scores[..., eos_token_id] = -float("inf")
-    scores = scores / TEMPERATURE
-    kth = torch.topk(scores, TOP_K, dim=-1).values[..., -1:]
-    return torch.softmax(scores.masked_fill(scores < kth, -float("inf")), dim=-1)
-
-
-@torch.no_grad()
-def _exact_joint(model, decoder: SkippingDecoder | None = None) -> np.ndarray:
-    """P(new tokens | prompt) over all VOCAB**NEW_TOKENS continuations, in itertools.product order;
-    the model's, or with `decoder` in place of its own, its draft's."""
-    continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS)))
-    sequences = torch.cat([PROMPT.expand(len(continuations), -1), continuations], dim=1)
-    if decoder is None:
-        logits = model(sequences, use_cache=False).logits
-    else:
-        positions = torch.arange(sequences.shape[1]).expand_as(sequences)
-        logits = model.get_output_embeddings()(decoder(sequences, positions, None))
-    probabilities = _warped_probabilities(logits, model.config.eos_token_id)
-    start = PROMPT.shape[1] - 1
-    joint = torch.ones(len(continuations))
-    for offset in range(NEW_TOKENS):
-        joint *= probabilities[torch.arange(len(continuations)), start + offset, continuations[:, offset]]
-    return joint.double().numpy()
-
-
-def _sample_counts(model, seed: int, **strategy_kwargs) -> np.ndarray:
-    torch.manual_seed(seed)
-    counts = np.zeros(VOCAB**NEW_TOKENS)
-    for _ in range(SAMPLES):
-        output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True,
-                                temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0, **strategy_kwargs)
-        index = 0
-        for token in output[0, PROMPT.shape[1]:].tolist():
-            index = index * VOCAB + token
-        counts[index] += 1
-    return counts
-
-
-def _goodness_of_fit(counts: np.ndarray, probabilities: np.ndarray) -> float:
-    """Chi-square p-value, pooling cells expected to hold fewer than 5 samples into one."""
-    expected = probabilities / probabilities.sum() * counts.sum()
-    small = expected < 5
-    if not small.any():
-        return float(chisquare(counts, expected).pvalue)
-    observed = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    return float(chisquare(observed, expected).pvalue)
 
 
 @pytest.fixture(scope="module")
 def model():
     return sampling_model()
-
-
-def sampling_model(seed: int = 11):
-    return tiny_model("llama", vocab_size=VOCAB, initializer_range=INITIALIZER_RANGE, seed=seed)
 
 
 CASES = {
@@ -121,8 +54,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_first_tokens_follow_the_plain_sampling_distribution(model, case):
-    counts = _sample_counts(model, seed=2024, **CASES[case])
-    assert _goodness_of_fit(counts, _exact_joint(model)) > 1e-3
+    counts = sample_counts(model, seed=2024, **CASES[case])
+    assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
 
 
 @pytest.mark.parametrize("case", ["self_speculative", "prompt_lookup", "target_confidence_gated", "alternatives"])
@@ -130,8 +63,8 @@ def test_bfloat16_sampling_follows_the_plain_sampling_distribution(case):
     """In bfloat16 the verifier's probabilities round differently from plain steps' by an ulp or
     so, far below what 1500 samples resolve; a sampler that skipped verification would not be."""
     bfloat16_model = sampling_model().to(torch.bfloat16)
-    counts = _sample_counts(bfloat16_model, seed=2024, **CASES[case])
-    assert _goodness_of_fit(counts, _exact_joint(bfloat16_model)) > 1e-3
+    counts = sample_counts(bfloat16_model, seed=2024, **CASES[case])
+    assert goodness_of_fit(counts, exact_joint(bfloat16_model)) > 1e-3
 
 
 def test_alternatives_are_accepted_while_sampling(model):
@@ -148,19 +81,19 @@ def test_alternatives_are_accepted_while_sampling(model):
 
 def test_gate_over_an_assistant_keeps_the_distribution(model):
     assistant = sampling_model(seed=12)
-    counts = _sample_counts(model, seed=7, strategy="target_confidence_gated", assistant_model=assistant,
-                            target_confidence_threshold=0.0, draft_exit_threshold=0.0)
-    assert _goodness_of_fit(counts, _exact_joint(model)) > 1e-3
+    counts = sample_counts(model, seed=7, strategy="target_confidence_gated", assistant_model=assistant,
+                           target_confidence_threshold=0.0, draft_exit_threshold=0.0)
+    assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
     # The assistant's own distribution is far from the target's, so the test above has teeth.
-    assert _goodness_of_fit(counts, _exact_joint(assistant)) < 1e-6
+    assert goodness_of_fit(counts, exact_joint(assistant)) < 1e-6
 
 
 def test_the_test_can_tell_the_draft_from_the_target(model):
     """Samples drawn with the layer-skip strategy must be rejected as draws from the draft alone;
     otherwise the goodness-of-fit test above would pass for a sampler that never verifies."""
-    counts = _sample_counts(model, seed=2024, **CASES["self_speculative"])
-    draft_joint = _exact_joint(model, SkippingDecoder(model, SKIP["attn_skip_layers"], SKIP["mlp_skip_layers"]))
-    assert _goodness_of_fit(counts, draft_joint) < 1e-6
+    counts = sample_counts(model, seed=2024, **CASES["self_speculative"])
+    draft_joint = exact_joint(model, SkippingDecoder(model, SKIP["attn_skip_layers"], SKIP["mlp_skip_layers"]))
+    assert goodness_of_fit(counts, draft_joint) < 1e-6
 
 
 # A target whose rows do not depend on the text (row i is the distribution of output position
@@ -199,7 +132,7 @@ def test_every_position_a_verification_commits_follows_the_target_there(alternat
     counts = _verified_position_counts(alternatives)
     assert counts[-1].sum() > 200  # whole chains are accepted too, so every depth is tested
     for position, row in enumerate(TARGET_ROWS):
-        assert _goodness_of_fit(counts[position], row.double().numpy()) > 1e-3, position
+        assert goodness_of_fit(counts[position], row.double().numpy()) > 1e-3, position
 
 
 def test_the_position_test_sees_a_wrong_draft_distribution_below_the_first_token():
@@ -207,5 +140,5 @@ def test_the_position_test_sees_a_wrong_draft_distribution_below_the_first_token
     drawn from others), the verifier commits the wrong distribution from the second position on;
     the test above must see it, while a check of the first position alone cannot."""
     counts = _verified_position_counts(0, draft_rows=DRAFT_ROWS[[0, 0, 0]])
-    assert _goodness_of_fit(counts[0], TARGET_ROWS[0].double().numpy()) > 1e-3
-    assert min(_goodness_of_fit(counts[p], TARGET_ROWS[p].double().numpy()) for p in (1, 2, 3)) < 1e-6
+    assert goodness_of_fit(counts[0], TARGET_ROWS[0].double().numpy()) > 1e-3
+    assert min(goodness_of_fit(counts[p], TARGET_ROWS[p].double().numpy()) for p in (1, 2, 3)) < 1e-6

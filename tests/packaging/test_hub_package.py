@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 import hf_selfspec
 from hf_selfspec.cli import main

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from tuning_helpers import cli_env, run_cli
+from helpers.tuning import cli_env, run_cli
 
 from hf_selfspec.hub.package import package
 from hf_selfspec.profiles import PROFILE_KEY
@@ -196,7 +196,7 @@ def test_push_refuses_clearly_and_leaves_the_file_alone(fake_hub, config_file, t
 @pytest.fixture
 def adapter_config_file(config_file):
     """The config's profile drafting with an adapter kept beside it, as `export` leaves it."""
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
 
@@ -234,16 +234,16 @@ def test_a_pushed_package_lends_its_adapter_to_a_model_whose_folder_lacks_it(fak
     """The package named by Hub id as `custom_generate=` for a model saved elsewhere, decoded
     offline through transformers alone from a Hub cache holding exactly what was committed: the
     uploaded bundled profiles fetch the adapter from the package's repository."""
-    from test_kangaroo import _random_adapter
-    from test_zero_install import run_isolated
-    from tiny_models import tiny_transformers_model
+    from helpers.adapters import random_adapter
+    from helpers.tiny_models import tiny_transformers_model
+    from helpers.zero_install import run_isolated
 
     endpoint, requests = fake_hub
     model = tiny_transformers_model("llama", initializer_range=0.3)
     model.generation_config.eos_token_id = None  # every prompt decodes in full
     model.save_pretrained(tmp_path / "model")
     exported = tmp_path / "exported"
-    _random_adapter(model, 1, exported)
+    random_adapter(model, 1, exported)
     profile = {"strategy": "kangaroo", "measured": {"speedup": 1.1, "study": "tiny"},
                "params": {"draft_adapter": "adapter-1-1.safetensors", "max_draft_tokens": 4,
                           "draft_exit_threshold": 0.0, "backoff_probe_interval": 0}}

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import zipfile
 
-from tuning_helpers import REPO_ROOT
+from helpers import REPO_ROOT
 
 
 def test_the_wheel_holds_only_hf_selfspec_with_the_tuner_and_the_hub_entry_inside(tmp_path):

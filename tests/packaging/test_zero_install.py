@@ -1,6 +1,6 @@
 """A folder written by `hf-selfspec package` works with transformers alone.
 
-Each case runs tests/zero_install_check.py in an interpreter started with `-I -S` that sees this
+Each case runs tests/helpers/zero_install_check.py in an interpreter started with `-I -S` that sees this
 venv's torch and transformers but cannot import hf_selfspec: a fresh venv would prove the same,
 but installing torch into one takes minutes and a network.
 """
@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import site
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_kangaroo import _random_adapter
-from tiny_models import tiny_transformers_model
+from helpers.adapters import random_adapter
+from helpers.tiny_models import tiny_transformers_model
+from helpers.zero_install import run_isolated
 
 from hf_selfspec.hub.package import bundled_profiles_for_repository, package
 from hf_selfspec.profiles import PROFILE_KEY
 
 pytestmark = pytest.mark.version_sensitive
 
-CHECK_SCRIPT = Path(__file__).with_name("zero_install_check.py")
 # The tiny model's profile: always draft, never back off, so every call drafts whatever the timings.
 TINY_PROFILE = {
     "strategy": "self_speculative",
@@ -37,25 +34,6 @@ TINY_PROFILE = {
     },
     "measured": {"speedup": 1.1, "acceptance_rate": 0.5, "study": "tiny"},
 }
-
-
-def run_isolated(tmp_path: Path, **spec) -> dict:
-    spec_file = tmp_path / "spec.json"
-    # This venv's site directories and any its .pth files add (a worktree's venv may take torch
-    # from another venv's): `-S` skips the .pth files, so they are passed by name.
-    site_packages = list(dict.fromkeys([*site.getsitepackages(), *(p for p in sys.path if p.endswith("site-packages"))]))
-    spec_file.write_text(json.dumps({"site_packages": site_packages, **spec}))
-    env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
-        [sys.executable, "-I", "-S", str(CHECK_SCRIPT), str(spec_file)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def with_package(model_dir: Path, package_dir: Path, destination: Path) -> Path:
@@ -111,7 +89,7 @@ def test_a_package_lends_its_kangaroo_profile_with_the_adapter_and_corpus_it_hol
     from hf_selfspec.lookup_corpus import save_lookup_corpus
 
     exported = tmp_path / "exported"
-    adapter = _random_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1, exported)
+    adapter = random_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1, exported)
     corpus = save_lookup_corpus([[5, 17, 42, 8, 9, 60, 1, 33, 7, 7]], exported / "corpus", 96, "tiny")
     profile = {
         "strategy": "kangaroo",
@@ -136,7 +114,7 @@ def test_a_hub_model_repo_fetches_the_adapter_its_kangaroo_profile_names(tiny_mo
     from transformers import AutoModelForCausalLM
 
     exported = tmp_path / "exported"
-    adapter = _random_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1, exported)
+    adapter = random_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1, exported)
     profile = {
         "strategy": "kangaroo",
         "params": {"draft_adapter": Path(adapter).name, "max_draft_tokens": 4, "draft_exit_threshold": 0.0,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from tuning_helpers import kill_once_written
+from helpers.tuning import kill_once_written
 
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.lookup_corpus import SEPARATOR

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tuning_helpers import kill_once_written
+from helpers.tuning import kill_once_written
 
 from hf_selfspec.adapter import read_adapter
 from hf_selfspec.loading import load_model_and_tokenizer

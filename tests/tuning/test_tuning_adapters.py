@@ -11,9 +11,9 @@ import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
-from test_kangaroo import _random_adapter, assert_profile_drafts_losslessly
-from tiny_models import tiny_model
-from tuning_helpers import write_study_config
+from helpers.adapters import assert_profile_drafts_losslessly, random_adapter
+from helpers.tiny_models import tiny_model
+from helpers.tuning import write_study_config
 
 from hf_selfspec.adapter import adapter_files
 from hf_selfspec.cli import main
@@ -38,7 +38,7 @@ def adapters(tiny_llama_dir, tmp_path_factory):
     model = LlamaForCausalLM.from_pretrained(tiny_llama_dir)
     directory = tmp_path_factory.mktemp("study")
     for exit_layer in (1, 2):
-        _random_adapter(model, exit_layer, directory / "adapters")
+        random_adapter(model, exit_layer, directory / "adapters")
     return directory
 
 
@@ -168,7 +168,7 @@ def test_export_carries_the_chosen_adapter_and_the_folder_decodes_with_it(tuned,
 def test_an_adapter_that_no_longer_fits_is_a_clear_error_when_decoding(tuned, tiny_llama_dir, tmp_path):
     export_profile(tuned.storage, tuned.outcome.study.study_name, tmp_path)
     best = tuned.outcome.best.params[ADAPTER_PARAM]
-    _random_adapter(tiny_model("qwen3"), 1, tmp_path)  # written as adapter-1-1: rename it over the exported one
+    random_adapter(tiny_model("qwen3"), 1, tmp_path)  # written as adapter-1-1: rename it over the exported one
     for written, exported in zip(adapter_files(tmp_path / "adapter-1-1"), adapter_files(tmp_path / best)):
         written.replace(exported)
     model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir), generation_config=tmp_path / "generation_config.json")
@@ -241,7 +241,7 @@ def test_a_retrained_adapter_is_neither_resumed_into_the_study_nor_exported_as_m
 
 
 def test_an_adapter_for_another_model_stops_the_study_before_any_trial(adapters, tiny_llama_dir, tmp_path):
-    _random_adapter(tiny_model("qwen3"), 1, tmp_path / "adapters")
+    random_adapter(tiny_model("qwen3"), 1, tmp_path / "adapters")
     config = load_study_config(_adapter_study_config(tmp_path, tiny_llama_dir, ["adapters/adapter-1-1"]))
     with pytest.raises(StudyConfigError, match="search.draft_adapters: 'adapter-1-1' does not fit the model: .*model_type 'qwen3'"):
         run_tune(config, n_trials=1, show_progress=False)

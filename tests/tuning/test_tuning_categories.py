@@ -11,7 +11,7 @@ import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
-from tuning_helpers import make_tuned_looking_study
+from helpers.tuning import make_tuned_looking_study
 
 from hf_selfspec.measure import TimedRun
 from hf_selfspec.prompts import TUNE_SPLIT, WORKLOAD, WORKLOAD_CATEGORIES

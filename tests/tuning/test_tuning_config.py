@@ -6,7 +6,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from tuning_helpers import REPO_ROOT
+from helpers import REPO_ROOT
 
 from hf_selfspec.cli import main
 from hf_selfspec.params import PARAM_NAMES, default_skip_layers, resolve_params

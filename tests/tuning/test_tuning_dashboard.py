@@ -8,7 +8,8 @@ import time
 import urllib.error
 import urllib.request
 
-from tuning_helpers import REPO_ROOT, cli_command, cli_env, free_port, make_tuned_looking_study
+from helpers import REPO_ROOT
+from helpers.tuning import cli_command, cli_env, free_port, make_tuned_looking_study
 
 from hf_selfspec.tuning.dashboard import write_study_note
 

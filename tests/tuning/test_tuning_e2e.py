@@ -12,7 +12,7 @@ import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
-from tuning_helpers import write_study_config
+from helpers.tuning import write_study_config
 
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import PROFILE_KEY, read_profiles_file

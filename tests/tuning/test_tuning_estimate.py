@@ -7,7 +7,7 @@ import pytest
 import torch
 from optuna.trial import TrialState
 from transformers import LogitsProcessorList
-from tuning_helpers import write_study_config
+from helpers.tuning import write_study_config
 
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.drafters import DecodingState, LayerSkipDrafter
@@ -15,8 +15,8 @@ from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.params import resolve_params
 from hf_selfspec.policies import ExitPolicy, ThroughputBackoff
 from hf_selfspec.selection import TokenSelector
-from test_kangaroo import _random_adapter
-from tiny_models import NUM_LAYERS, tiny_model
+from helpers.adapters import random_adapter
+from helpers.tiny_models import NUM_LAYERS, tiny_model
 from hf_selfspec.tuning.config import StudyConfigError, load_study_config
 from hf_selfspec.tuning.estimate import (
     CostModel,
@@ -122,7 +122,7 @@ def test_replay_counts_what_decoding_with_a_trained_adapter_does(
     propose and how sure it is. So the replay matches a real decode step for step: rejections,
     rescues by an alternative, and where an exit threshold stops each draft."""
     model = _sharp(architecture)
-    adapter = _random_adapter(model, exit_layer, tmp_path, mlp=mlp)
+    adapter = random_adapter(model, exit_layer, tmp_path, mlp=mlp)
     params = resolve_params(NUM_LAYERS, {
         "draft_adapter": adapter, "max_draft_tokens": 4, "draft_exit_threshold": threshold,
         "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
@@ -152,7 +152,7 @@ def test_replay_adapts_the_lookup_length_as_decoding_does(tmp_path, architecture
     real decode step for step, and the adaptation changes what is proposed."""
     model = _sharp(architecture)
     fixed = {
-        "draft_adapter": _random_adapter(model, 1, tmp_path), "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
+        "draft_adapter": random_adapter(model, 1, tmp_path), "max_draft_tokens": 3, "draft_exit_threshold": 0.3,
         "prompt_lookup_tokens": 2, "prompt_lookup_min_ngram": 1, "backoff_probe_interval": 0,
     }  # fmt: skip
     params = resolve_params(NUM_LAYERS, {**fixed, "prompt_lookup_max_tokens": 12})
@@ -200,7 +200,7 @@ def test_an_adapter_draft_is_priced_as_the_layers_below_its_exit_and_one_more_bl
     model = tiny_model("llama")
     cost = CostModel(NUM_LAYERS, (0.0,) * 16, 0.0, 0.0, 1.0, 10.0, 0.0, 0.0)
     for exit_layer, mlp, units in ((1, True, 2 + 20), (2, False, 3 + 20), (3, True, 4 + 40)):
-        params = resolve_params(NUM_LAYERS, {"draft_adapter": _random_adapter(model, exit_layer, tmp_path, mlp=mlp)})
+        params = resolve_params(NUM_LAYERS, {"draft_adapter": random_adapter(model, exit_layer, tmp_path, mlp=mlp)})
         assert cost.draft_token_seconds(params) == units, (exit_layer, mlp)
 
 
@@ -211,7 +211,7 @@ def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(s
     trial then reads, is left exactly as it was."""
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     kept = [(layer.keys.clone(), layer.values.clone()) for layer in data.cache.layers]
-    adapters = [_random_adapter(sharp_llama, exit_layer, tmp_path) for exit_layer in (1, 3)]
+    adapters = [random_adapter(sharp_llama, exit_layer, tmp_path) for exit_layer in (1, 3)]
     cost = calibrate(sharp_llama, [data], NUM_LAYERS, 4, adapters)
     assert sorted(cost.adapter_draft_seconds) == sorted(adapters)
     for adapter in adapters:

@@ -6,7 +6,7 @@ import json
 
 import optuna
 import pytest
-from tuning_helpers import make_tuned_looking_study
+from helpers.tuning import make_tuned_looking_study
 
 from hf_selfspec.cli import main
 from hf_selfspec.profiles import PROFILE_KEY

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from optuna.trial import TrialState
-from tuning_helpers import write_study_config
+from helpers.tuning import write_study_config
 
 from hf_selfspec.adapter import adapter_files
 from hf_selfspec.cli import main

@@ -13,7 +13,8 @@ import pytest
 from optuna.trial import TrialState
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from tuning_helpers import REPO_ROOT, cli_command, cli_env, write_study_config
+from helpers import REPO_ROOT
+from helpers.tuning import cli_command, cli_env, write_study_config
 
 from hf_selfspec.tuning.storage import open_storage
 

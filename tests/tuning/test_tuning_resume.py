@@ -9,7 +9,8 @@ import time
 
 import optuna
 from optuna.trial import TrialState
-from tuning_helpers import REPO_ROOT, cli_command, cli_env, run_cli, write_study_config
+from helpers import REPO_ROOT
+from helpers.tuning import cli_command, cli_env, run_cli, write_study_config
 
 KILL_WITHIN_SECONDS = 150
 

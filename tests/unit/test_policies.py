@@ -8,7 +8,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_selfspec
 from hf_selfspec import AdaptiveExitPolicy, ExitPolicy, TargetConfidenceGate, ThroughputBackoff
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 
 def test_adaptive_threshold_follows_hand_computed_sequence():

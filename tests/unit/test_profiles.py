@@ -21,7 +21,7 @@ from hf_selfspec.profiles import (
     write_profile,
 )
 from hf_selfspec.strategies import resolve_strategy
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 # Every generation_config.json that ships, the embedded model's and those beside it to compare with.
 SHIPPED_CONFIGS = sorted(Path(str(TUNED_CONFIG)).parents[1].glob("*/*generation_config.json"))
