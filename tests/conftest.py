@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny random Llama that any command can load from disk, offline."""
+"""The tests' rooms: unit/ (no model, or a trivial one), integration/ (tiny random models of every
+supported architecture), real_model/ (the embedded SmolLM2, marked `real_model`), tuning/ (the
+tuner and its commands) and packaging/ (the wheel, the Hub package, zero install, push). What
+several test modules share lives in helpers/, imported as `helpers`; the fixtures every room
+shares live here: a tiny random Llama that any command can load from disk, offline."""
 
 from __future__ import annotations
 

@@ -1,0 +1,233 @@
+"""`hf-selfspec train-adapter`: deterministic, resumable after SIGKILL, strict about its config."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from helpers.tuning import kill_once_written
+
+from hf_selfspec.adapter import read_adapter
+from hf_selfspec.loading import load_model_and_tokenizer
+from tuning.config import StudyConfigError
+from tuning import model_text
+from tuning.corpus import (
+    CorpusConfig, corpus_chunks, generation_prompts, humaneval_problems, split_stdlib_stream, stdlib_function_prompts,
+)
+from tuning.model_text import generated_texts
+from tuning.train_adapter import load_train_config, run_train_adapter
+
+STEPS = 300
+
+
+def _config(directory: Path, model_dir: Path, **overrides) -> Path:
+    training = {"steps": STEPS, "batch_chunks": 2, "checkpoint_every": 10, "eval_every": 100, "seed": 3, "vocab_size": 512}
+    training.update(overrides)
+    lines = [
+        "[model]", f'name = "{model_dir}"', "[corpus]", "stdlib_tokens = 2048", "humaneval_from = 150",
+        "chunk_tokens = 64", "[adapter]", "exit_layers = [2]", 'output_dir = "out"', "[training]",
+        *(f"{key} = {value}" for key, value in training.items()),
+    ]
+    path = directory / "train.toml"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache-a"))
+    [(exit_layer, uninterrupted, _)] = run_train_adapter(load_train_config(_config(tmp_path / "a", tiny_llama_dir)), False)
+
+    config = _config(tmp_path / "b", tiny_llama_dir)
+    env = {**os.environ, "HF_SELFSPEC_CACHE": str(tmp_path / "cache-b"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "hf_selfspec.cli", "train-adapter", str(config), "--no-progress"]
+    checkpoints = kill_once_written(command, env, tmp_path / "cache-b", "adapter-training/*/exit2.checkpoint.pt")
+    assert checkpoints, "no checkpoint appeared before the run ended"
+    assert torch.load(checkpoints[0])["step"] < STEPS  # it really was cut off
+    assert not (tmp_path / "b" / "out" / "kangaroo-exit2.safetensors").exists()
+
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "held-out top-1 agreement" in resumed.stdout
+    first, second = load_file(str(uninterrupted)), load_file(str(tmp_path / "b" / "out" / "kangaroo-exit2.safetensors"))
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
+    assert read_adapter(model, uninterrupted).shape.exit_layer == exit_layer == 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("[corpus]\nhumaneval_from = 39\n", "evaluation prompts"),
+        ("[training]\nstepz = 3\n", "unknown key"),
+        ("[adapter]\nexit_layers = []\n", "non-empty list"),
+        ("[adapter]\nname = \"x{layer}\"\n", "placeholder"),
+        ("[optimizer]\n", "unknown section"),
+        ("[training]\nlr = -1.0\n", "positive"),
+        ("[corpus]\nstdlib_prompts = 5\n", "needs generated_tokens"),
+        ("[corpus]\nstdlib_functions = 5\n", "needs generated_tokens"),
+        ("[corpus]\ngenerated_tokens = -2\n", "positive"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, change, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(change)
+    with pytest.raises(StudyConfigError, match=message):
+        load_train_config(path)
+
+
+def test_an_exit_layer_out_of_range_is_a_config_error(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    path = _config(tmp_path, tiny_llama_dir)
+    path.write_text(path.read_text().replace("exit_layers = [2]", "exit_layers = [4]"))
+    with pytest.raises(StudyConfigError, match="exit layer 4 is out of range 1..3"):
+        run_train_adapter(load_train_config(path), False)
+
+
+def test_help_names_the_corpus_and_the_outputs():
+    result = subprocess.run([sys.executable, "-m", "hf_selfspec.cli", "train-adapter", "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "standard library" in result.stdout and "safetensors" in result.stdout
+
+
+GENERATING = CorpusConfig(stdlib_tokens=0, humaneval_from=160, generated_tokens=6, stdlib_prompts=2, prompt_tokens=12,
+                          stdlib_functions=2, chunk_tokens=8)
+
+
+def test_stdlib_function_prompts_are_a_signature_and_a_docstring_asking_for_a_body():
+    prompts = stdlib_function_prompts(30)
+    assert len(prompts) == 30 and len(set(prompts)) > 25
+    for prompt in prompts:
+        (function,) = ast.parse(prompt).body  # dedented: parses at the top level
+        assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        assert len(function.body) == 1 and ast.get_docstring(function) is not None  # no body yet
+
+
+def _greedy_continuation(generate, tokenizer, prompt: list[int]) -> list[int]:
+    """The prompt and the model's greedy continuation of it alone, cut before any EOS (as the
+    corpus keeps it)."""
+    ids = generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                   max_new_tokens=GENERATING.generated_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0].tolist()
+    eos = tokenizer.eos_token_id
+    return ids[: ids.index(eos, len(prompt))] if eos in ids[len(prompt) :] else ids
+
+
+def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prompt(tiny_llama_dir, tmp_path):
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    chunks = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
+    prompts = generation_prompts(tokenizer, GENERATING, split_stdlib_stream(tokenizer, GENERATING)[1])
+    texts = generated_texts(model, tokenizer, prompts, GENERATING.generated_tokens, tmp_path / "generated.pt", False)  # from the cache
+    problems = humaneval_problems(160)
+    assert len(texts) == len(problems) + GENERATING.stdlib_prompts + GENERATING.stdlib_functions
+    for problem, text in zip(problems, texts):
+        prompt = tokenizer(problem["prompt"])["input_ids"]
+        assert text == _greedy_continuation(model.generate, tokenizer, prompt)  # not the canonical solution
+    stdlib_window = texts[len(problems)]
+    assert len(stdlib_window) > GENERATING.prompt_tokens
+    for function, text in zip(stdlib_function_prompts(2), texts[-2:]):
+        prompt = tokenizer(function)["input_ids"]
+        assert text[: len(prompt)] == prompt and len(text) > len(prompt)
+    stream = [i for text in texts for i in text + [tokenizer.eos_token_id]]
+    assert chunks.flatten().tolist() == stream[: len(stream) // 8 * 8]
+
+
+def test_generation_resumes_from_the_batches_it_finished(tiny_llama_dir, tmp_path, monkeypatch):
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    monkeypatch.setattr(model_text, "GENERATION_BATCH", 2)
+    first = corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt")
+    finished = torch.load(tmp_path / "generated.pt")
+    torch.save(finished[:2], tmp_path / "generated.pt")  # as if killed after the first batch
+    calls = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: calls.append(kwargs["input_ids"].shape[0]) or generate(**kwargs))
+    assert torch.equal(corpus_chunks(tokenizer, GENERATING, model, tmp_path / "generated.pt"), first)
+    assert calls == [2, 2, 2]  # the six prompts left, and nothing already generated
+
+
+def test_generation_batches_prompts_of_like_length_and_returns_them_in_prompt_order(tiny_llama_dir, tmp_path, monkeypatch):
+    """A batch prefills every row at its longest prompt's width, so batches are cut from the
+    prompts sorted by length; the texts still come back in the prompts' own order."""
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    monkeypatch.setattr(model_text, "GENERATION_BATCH", 2)
+    prompts = [[5] * length for length in (9, 2, 7, 3, 11, 2)]
+    widths = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kwargs: widths.append(kwargs["attention_mask"].sum(-1).tolist()) or generate(**kwargs))
+    texts = generated_texts(model, tokenizer, prompts, GENERATING.generated_tokens, tmp_path / "generated.pt", False)
+    assert widths == [[2, 2], [3, 7], [9, 11]]
+    assert [text[: len(prompt)] for prompt, text in zip(prompts, texts)] == prompts
+    for prompt, text in zip(prompts, texts):
+        assert text == _greedy_continuation(generate, tokenizer, prompt)
+
+
+GENERATING_TOML = """[corpus]
+stdlib_tokens = 0
+humaneval_from = 160
+generated_tokens = 6
+stdlib_prompts = 2
+prompt_tokens = 12
+stdlib_functions = 2
+chunk_tokens = 8
+"""
+
+
+def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """One [model] and [corpus] generate once: the lookup corpus is exactly the text the adapter
+    trains on, written beside its config with what it was made from."""
+    from hf_selfspec.cli import main
+    from hf_selfspec.lookup_corpus import SEPARATOR, read_corpus_description
+    from tuning.corpus import generated_text_file
+
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model = f'[model]\nname = "{tiny_llama_dir}"\n'
+    adapter_config, corpus_config = tmp_path / "adapter.toml", tmp_path / "corpus.toml"
+    adapter_config.write_text(model + GENERATING_TOML + '[adapter]\nexit_layers = [2]\noutput_dir = "out"\n'
+                              "[training]\nsteps = 2\nbatch_chunks = 2\nvocab_size = 512\n")
+    corpus_config.write_text(model + GENERATING_TOML + '[output]\nname = "own-text"\noutput_dir = "out"\n')
+    train = load_train_config(adapter_config)
+    run_train_adapter(train, False)
+    generated = generated_text_file(train.model, train.corpus)
+    made = generated.stat().st_mtime_ns
+
+    assert main(["write-lookup-corpus", str(corpus_config), "--no-progress"]) == 0
+    assert generated.stat().st_mtime_ns == made  # generated once, for both
+    written = tmp_path / "out" / "own-text.safetensors"
+    assert f"wrote {written} and own-text.json" in capsys.readouterr().out
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    prompts = generation_prompts(tokenizer, train.corpus, split_stdlib_stream(tokenizer, train.corpus)[1])
+    texts = generated_texts(model, tokenizer, prompts, train.corpus.generated_tokens, generated, False)  # from the cache, in prompt order
+    assert load_file(str(written))["token_ids"].tolist() == [t for text in texts for t in [*text, SEPARATOR]]
+    about = read_corpus_description(written)
+    assert about["texts"] == len(texts) == 8 and "HumanEval prompts 160 on" in about["description"]
+
+
+@pytest.mark.parametrize(
+    "corpus, words",
+    [("generated_tokens = 0", "corpus.generated_tokens: must be positive, or self_prompted must be: a lookup corpus is text"),
+     ("humaneval_from = 20\ngenerated_tokens = 4", "corpus.humaneval_from: HumanEval problems below 40")],
+)
+def test_a_lookup_corpus_config_keeps_to_the_models_own_text_and_out_of_evaluation(tmp_path, corpus, words):
+    from tuning.write_lookup_corpus import load_lookup_corpus_config
+
+    path = tmp_path / "corpus.toml"
+    path.write_text(f'[model]\nname = "embedded"\n[corpus]\n{corpus}\n[output]\nname = "x"\n')
+    with pytest.raises(StudyConfigError, match=words):
+        load_lookup_corpus_config(path)
+
+
+def test_write_lookup_corpus_help_says_what_it_writes_and_from_what():
+    result = subprocess.run([sys.executable, "-m", "hf_selfspec.cli", "write-lookup-corpus", "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "HumanEval problems 40" in result.stdout and "NAME.safetensors" in result.stdout
+    assert "lookup_corpus" in result.stdout

@@ -1,0 +1,203 @@
+"""The decoding loop alone (`speculative_decode`), driven by a scripted drafter and a scripted
+verifier: no transformer runs, so each test states exactly what every step proposes, accepts and
+commits, and holds the loop's counters, its cache and its stopping to that.
+
+The verifier stands in for the model: whatever its inputs, its logits at position p make TEXT[p + 1]
+the greedy choice, so plain greedy decoding writes TEXT, and the loop must write it too. Its KV
+entries are each input's (position, token), so the cache says which text it holds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from hf_selfspec.cache import CACHE_ARGUMENT, DraftAwareCache
+from hf_selfspec.decoding import SpeculationParts, speculative_decode
+from hf_selfspec.decoding_types import Draft, Drafter
+from hf_selfspec.policies import Backoff, ExitPolicy, Gate
+from hf_selfspec.selection import TokenSelector
+from hf_selfspec.stats import StrategyStats
+
+VOCAB = 16
+TEXT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]  # plain greedy's text, prompt included
+WRONG = 0  # never in TEXT, so never the verifier's choice
+LAYERS = 2
+
+
+def write_kv(cache: DraftAwareCache, positions: list[int], tokens: list[int]) -> None:
+    """One KV entry per input in every layer, holding its (position, token)."""
+    entries = torch.tensor([positions, tokens], dtype=torch.float32).T[None, None]
+    for layer in range(LAYERS):
+        cache.update(entries, entries.clone(), layer)
+
+
+def cached_text(cache: DraftAwareCache) -> list[tuple[int, int]]:
+    """The (position, token) entries the cache holds, the same in every layer."""
+    layers = [[(int(p), int(t)) for p, t in layer.keys[0, 0].tolist()] for layer in cache.layers]
+    assert all(entries == layers[0] for entries in layers)
+    return layers[0]
+
+
+def entries_of(tokens: list[int]) -> list[tuple[int, int]]:
+    return list(enumerate(tokens))
+
+
+class ScriptedVerifier:
+    """The model's forward, as the loop calls it, recording what each verification saw."""
+
+    config = SimpleNamespace(num_hidden_layers=LAYERS)  # what the alternatives' mask reads
+    dtype = torch.float32
+
+    def __init__(self):
+        self.calls: list[tuple[int, list[int]]] = []  # (cache length before, positions seen)
+
+    def __call__(self, input_ids, position_ids, attention_mask, use_cache, logits_to_keep, **cache_keyword):
+        cache = cache_keyword[CACHE_ARGUMENT]
+        positions = position_ids[0].tolist()
+        self.calls.append((cache.get_seq_length(), positions))
+        write_kv(cache, positions, input_ids[0].tolist())
+        logits = torch.zeros(len(positions), VOCAB)
+        logits[torch.arange(len(positions)), [TEXT[p + 1] for p in positions]] = 1.0
+        return SimpleNamespace(logits=logits[-logits_to_keep:][None])
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the next draft of its script at each call, cut to the room the loop allows, and
+    writes it after the committed text as a drafter must. The draft's own forward passes are
+    stood for by a KV entry per drafted token left in the shared cache, which the loop must drop
+    before verifying."""
+
+    def __init__(self, cache: DraftAwareCache, script: list[Draft]):
+        self.cache, self.script = cache, list(script)
+        self.limits: list[int] = []
+        self.continued_from: list[int] = []
+        self.records: list[tuple[int, int, bool]] = []  # (accepted, committed, timed)
+        self.rollbacks: list[int] = []
+        self.kept_alternatives: list[tuple[int, int]] = []
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        self.limits.append(max_tokens)
+        scripted = self.script.pop(0)
+        tokens = scripted.tokens[:max_tokens]
+        state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        start = self.cache.get_seq_length()
+        write_kv(self.cache, list(range(start, start + len(tokens))), [WRONG] * len(tokens))
+        return Draft(tokens, alternatives=scripted.alternatives[: len(tokens)])
+
+    def continue_from(self, state, cached_length):
+        self.continued_from.append(cached_length)
+
+    def record(self, draft, accepted, committed, seconds):
+        self.records.append((accepted, committed, seconds is not None))
+
+    def rollback(self, committed_kv_length):
+        self.rollbacks.append(committed_kv_length)
+
+    def keep_alternative(self, source_row, target_row):
+        self.kept_alternatives.append((source_row, target_row))
+
+
+def decode(prompt_length: int, max_length: int, script: list[Draft], max_proposal_tokens: int = 4,
+           eos_token_id: int | None = None, cache: DraftAwareCache | None = None):
+    """Greedy decoding of TEXT's first `prompt_length` tokens up to `max_length`, as `generate`
+    runs the loop: its result, the verifier, the drafter and the cache, for the test to inspect."""
+    cache = DraftAwareCache() if cache is None else cache
+    verifier, drafter = ScriptedVerifier(), ScriptedDrafter(cache, script)
+    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length)])
+    if eos_token_id is not None:
+        criteria.append(EosTokenCriteria(eos_token_id))
+    result = speculative_decode(
+        verifier, cache, SpeculationParts(drafter, ExitPolicy(0.0), Gate(), Backoff()),
+        torch.tensor([TEXT[:prompt_length]]), TokenSelector(LogitsProcessorList(), do_sample=False), criteria,
+        max_length, max_proposal_tokens, StrategyStats(),
+    )
+    assert drafter.script == []  # the loop asked for every scripted draft, and for no more
+    return result, verifier, drafter, cache
+
+
+def counters(stats: StrategyStats) -> dict:
+    return {name: value for name, value in stats.as_dict().items() if not name.endswith("seconds")}
+
+
+def test_the_loop_commits_plain_greedys_text_and_counts_each_step():
+    """After the prompt's prefill: a draft of 3 whose first 2 match, one of 2 that both match,
+    an empty one (a plain step), one cut to the single token the room allows and rejected, then
+    a step with no room to draft."""
+    result, verifier, drafter, cache = decode(prompt_length=3, max_length=13, script=[
+        Draft(TEXT[4:6] + [WRONG]),
+        Draft(TEXT[7:9]),
+        Draft([]),
+        Draft([WRONG, WRONG]),
+    ])
+    assert result.sequences.tolist() == [TEXT[:13]]
+    assert counters(result.stats) == {
+        "strategy": "", "drafted_tokens": 3 + 2 + 1, "accepted_tokens": 2 + 2 + 0, "acceptance_rate": 4 / 6,
+        "mean_accepted_length": 4 / 3, "verification_steps": 3, "plain_steps": 2, "accepted_alternatives": 0,
+        "accepted_lengths": [2, 2, 0],
+    }
+    # Each verification sees the newest committed token and the draft, right after the cache's
+    # last entry: the draft's own KV was dropped first.
+    assert [len(positions) for _, positions in verifier.calls] == [3, 1 + 3, 1 + 2, 1, 1 + 1, 1]
+    assert [positions[0] for _, positions in verifier.calls] == [0, 3, 6, 9, 10, 11]
+    assert all(cached == positions[0] for cached, positions in verifier.calls)
+    assert drafter.limits == [4, 4, 2, 1]  # max_proposal_tokens, then the room before max_length
+    assert drafter.records == [(2, 3, True), (2, 3, True), (0, 1, True)]
+    # After every step the cache keeps the committed text but its newest token, and only that.
+    assert drafter.rollbacks == [3, 6, 9, 10, 11, 12]
+    assert cached_text(cache) == entries_of(TEXT[:12])
+
+
+def test_an_eos_inside_an_accepted_draft_ends_the_text_there():
+    eos = TEXT[6]
+    assert eos not in TEXT[:6]
+    result, verifier, drafter, cache = decode(prompt_length=3, max_length=len(TEXT), eos_token_id=eos,
+                                              script=[Draft(TEXT[4:8])])
+    assert result.sequences.tolist() == [TEXT[:7]]  # the accepted tokens after EOS are not committed
+    assert (result.stats.drafted_tokens, result.stats.accepted_tokens) == (4, 4)
+    assert (result.stats.verification_steps, result.stats.plain_steps) == (1, 0)
+    assert drafter.records == [(4, 3, True)]
+    assert len(verifier.calls) == 2
+    assert cached_text(cache) == entries_of(TEXT[:6])
+
+
+def test_an_accepted_alternative_moves_its_kv_to_the_token_it_replaced():
+    """The second drafted token is wrong, and its second alternative is the verifier's choice:
+    it is committed with the verifier's next token from its own row, and its KV, computed past
+    the chain, takes the rejected token's place."""
+    result, verifier, drafter, cache = decode(prompt_length=3, max_length=8, script=[
+        Draft([TEXT[4], WRONG, WRONG], alternatives=[[], [WRONG, TEXT[5]], []]),
+    ])
+    assert result.sequences.tolist() == [TEXT[:8]]
+    assert counters(result.stats) == {
+        "strategy": "", "drafted_tokens": 3, "accepted_tokens": 2, "acceptance_rate": 2 / 3,
+        "mean_accepted_length": 2.0, "verification_steps": 1, "plain_steps": 1, "accepted_alternatives": 1,
+        "accepted_lengths": [2],
+    }
+    # The chain (the newest committed token and 3 drafted), then both alternatives at position 5.
+    assert verifier.calls[1] == (3, [3, 4, 5, 6, 5, 5])
+    assert drafter.kept_alternatives == [(5, 2)]  # rows counted from the verification's first input
+    assert drafter.records == [(2, 3, True)]
+    assert cached_text(cache) == entries_of(TEXT[:7])
+
+
+def test_a_cache_holding_the_prompts_start_is_continued():
+    cache = DraftAwareCache()
+    write_kv(cache, [0, 1], TEXT[:2])
+    result, verifier, drafter, cache = decode(prompt_length=5, max_length=7, script=[], cache=cache)
+    assert result.sequences.tolist() == [TEXT[:7]]
+    assert drafter.continued_from == [2]
+    assert verifier.calls == [(2, [2, 3, 4]), (5, [5])]  # the prefill covers only what was not cached
+    # A prefill with nothing drafted is neither a plain step nor a verification.
+    assert (result.stats.plain_steps, result.stats.verification_steps) == (1, 0)
+    assert cached_text(cache) == entries_of(TEXT[:6])
+
+
+def test_a_prompt_that_fills_max_length_runs_no_forward():
+    result, verifier, drafter, cache = decode(prompt_length=4, max_length=4, script=[])
+    assert result.sequences.tolist() == [TEXT[:4]]
+    assert verifier.calls == [] and drafter.rollbacks == []
+    assert counters(result.stats) == counters(StrategyStats())
