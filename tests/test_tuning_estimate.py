@@ -3,6 +3,7 @@ tokens with priced seconds, and the study that confirms its best estimates by re
 
 from __future__ import annotations
 
+import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
@@ -20,20 +21,22 @@ from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
 from test_kangaroo import _random_adapter
 from tiny_models import NUM_LAYERS, tiny_model
-from hf_selfspec.tuning.config import StudyConfigError, load_study_config
+from hf_selfspec.tuning.config import SearchConfig, StudyConfigError, load_study_config
 from hf_selfspec.tuning.estimate import (
     CostModel,
+    EstimatedSpeedupObjective,
     PricedClock,
     TeacherForcedPrompt,
     calibrate,
     check_supported,
     draft_predictions,
     estimate_decode,
+    plain_seconds,
     teacher_force,
 )
 from hf_selfspec.tuning.export import export_profile
 from hf_selfspec.tuning.objective import PreparedPrompt
-from hf_selfspec.tuning.space import STRATEGY_KNOBS, decode_params
+from hf_selfspec.tuning.space import STRATEGY_KNOBS, decode_params, warm_start_trials
 from hf_selfspec.tuning.tune import format_summary, run_tune
 
 pytestmark = pytest.mark.version_sensitive
@@ -246,6 +249,31 @@ def test_a_strategy_with_its_own_drafter_is_estimated_with_that_drafter(sharp_ll
     )
     assert own.accepted_tokens > 0
     assert _counters(own) != _counters(default)
+
+
+def test_a_trial_that_accepts_nothing_is_never_estimated_above_plain(sharp_llama, own_drafter_strategy):
+    """Priced so that a verification step costs less than a plain step (as a cost model timed on
+    a busy machine can be), a draft that is never accepted would be estimated faster than plain;
+    but every token then took a full forward pass, as in plain decoding, so the trial's value
+    is no more than plain's."""
+    forced = [teacher_force(sharp_llama, _prepared(sharp_llama, length, seed), NEW_TOKENS)
+              for seed, length in enumerate(PROMPT_LENGTHS)]  # fmt: skip
+    unused = min(set(range(sharp_llama.config.vocab_size)) - {token for data in forced for token in data.reference})
+    strategy = own_drafter_strategy("never_right", lambda text: [unused] * 3)
+    cheap_steps = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    params = resolve_params(NUM_LAYERS, {"max_draft_tokens": 3})
+    for data in forced:
+        seconds, stats = _estimate(sharp_llama, data, params, strategy, cheap_steps)
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens == 0
+        assert seconds < plain_seconds(data, cheap_steps)  # what the cost model alone would claim
+
+    objective = EstimatedSpeedupObjective(sharp_llama, forced, cheap_steps, SearchConfig(strategy=strategy), "test")
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial(warm_start_trials(SearchConfig(strategy=strategy), NUM_LAYERS)[0])
+    study.optimize(objective, n_trials=1)
+    (trial,) = study.trials
+    assert trial.user_attrs["acceptance_rate"] == 0.0
+    assert trial.value <= 1.0
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gemma2"])

@@ -597,7 +597,13 @@ class EstimatedSpeedupObjective:
         for data in self.prompts:
             predicted = draft_predictions(self.model, data, params)
             seconds, stats = estimate_decode(self.model, data, params, self.search.strategy, predicted, self.cost)
-            categories.add(data.prompt.category, plain_seconds(data, self.cost), seconds, len(data.reference), stats)
+            plain = plain_seconds(data, self.cost)
+            if not stats.accepted_tokens:
+                # Every token then took a forward pass of the full model, as in plain decoding,
+                # and any drafting only added to it: whatever the cost model prices a step at (one
+                # timed while the machine was busy prices them wrong), this is no faster than plain.
+                seconds = max(seconds, plain)
+            categories.add(data.prompt.category, plain, seconds, len(data.reference), stats)
         trial.set_user_attr("objective", "estimated")
         trial.set_user_attr("draft_token_seconds", self.cost.draft_token_seconds(params))
         categories.record(trial, self.category_floor)
