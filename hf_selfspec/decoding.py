@@ -10,6 +10,7 @@ covers the rest.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,51 @@ class SpeculationParts:
     backoff: Backoff
 
 
+# One forward pass of the full model over a verification's inputs `(input_ids, position_ids,
+# attention_mask, logits_to_keep, hidden_layer)`: logits `[logits_to_keep, vocab]` for the last
+# inputs, and the hidden state numbered `hidden_layer` of every input (None when that is None).
+FullForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | dict | None, int, int | None], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+
+def model_forward(model, cache: DraftAwareCache) -> FullForward:
+    """The full model itself, writing the verified positions' KV into `cache`."""
+
+    def forward(input_ids, position_ids, attention_mask, logits_to_keep, hidden_layer):
+        # transformers collects a selected hidden state per call (its hooks read a context
+        # variable), at no extra compute: what a drafter reads travels with the output.
+        outputs = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            **cache_keyword(cache),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **({} if hidden_layer is None else {"output_hidden_states": [hidden_layer]}),
+        )
+        return outputs.logits[0], None if hidden_layer is None else outputs.hidden_states[hidden_layer]
+
+    return forward
+
+
+class WallClock:
+    """What a step's drafting and verifying took, which the parts that learn from cost (the
+    back-off, the draft source choice) read, and `StrategyStats` reports. Told what each stage
+    did, so that a clock pricing that work instead of timing it (the tuner's estimate) can
+    stand in."""
+
+    def step_started(self) -> float:
+        return time.perf_counter()
+
+    def drafted(self, draft: Draft) -> float:
+        return time.perf_counter()
+
+    def verified(self, tokens: int) -> float:
+        """After a verification of `tokens` inputs (the prompt's prefill is the first)."""
+        return time.perf_counter()
+
+
 @dataclass
 class DecodeResult:
     sequences: torch.Tensor
@@ -55,7 +101,14 @@ def speculative_decode(
     stats: StrategyStats,
     streamer=None,
     keep_scores: bool = False,
+    forward: FullForward | None = None,
+    clock: WallClock | None = None,
 ) -> DecodeResult:
+    """Decode from `input_ids` until the stopping criteria say so. `forward` (the full model by
+    default) and `clock` (wall time by default) are the tuner's estimate's to replace: it drives
+    this loop with plain decoding's known tokens and priced seconds."""
+    forward = model_forward(model, cache) if forward is None else forward
+    clock = WallClock() if clock is None else clock
     prompt_length = input_ids.shape[1]
     sequence = input_ids.new_zeros((1, max_length))
     sequence[:, :prompt_length] = input_ids
@@ -73,7 +126,7 @@ def speculative_decode(
         # Draft: the back-off decides whether to speculate at all, the gate whether the model
         # drafts; proposals that cost no forward pass (prompt lookup) need only the back-off,
         # and ride along with the prompt's prefill, whose forward pass is wide anyway.
-        started = time.perf_counter()
+        started = clock.step_started()
         draft = Draft()
         room = max_length - state.length
         limit = min(max_proposal_tokens, room - 1)
@@ -86,7 +139,7 @@ def speculative_decode(
             else:
                 draft = parts.drafter.propose_free(state, limit)
         drafted = len(draft.tokens)
-        drafting_ended = time.perf_counter()
+        drafting_ended = clock.drafted(draft)
         stats.draft_seconds += drafting_ended - started
 
         # Verify: every drafted position in one forward pass of the full model, the draft's
@@ -95,23 +148,14 @@ def speculative_decode(
             sequence, positions, kv_length, state.length, drafted, draft.alternatives, model, cache
         )
         first_row = state.length - 1 - kv_length  # the newest committed token's: logits from here on
-        # transformers collects a selected hidden state per call (its hooks read a context
-        # variable), at no extra compute: what a drafter reads travels with the output.
-        hidden_layer = parts.drafter.verification_hidden_state()
-        outputs = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            **cache_keyword(cache),
-            use_cache=True,
-            logits_to_keep=input_ids.shape[1] - first_row,
-            **({} if hidden_layer is None else {"output_hidden_states": [hidden_layer]}),
+        logits, hidden = forward(
+            input_ids, position_ids, attention_mask, input_ids.shape[1] - first_row,
+            parts.drafter.verification_hidden_state(),
         )
-        if hidden_layer is not None:
-            parts.drafter.verified(outputs.hidden_states[hidden_layer])
-        logits = outputs.logits[0]
+        if hidden is not None:
+            parts.drafter.verified(hidden)
         verdict = verify(selector, state, draft, logits)
-        verified = time.perf_counter()
+        verified = clock.verified(input_ids.shape[1])
         stats.verify_seconds += verified - drafting_ended
 
         # Accept

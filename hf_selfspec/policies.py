@@ -164,7 +164,7 @@ class _CheaperOfTwo:
         wins = self._favoured_wins()
         loser, winner = (self.other, self.favoured) if wins else (self.favoured, self.other)
         wait = self.interval
-        if winner.seconds > 0:  # a winner priced at nothing (a replay can be) leaves the loser hopeless
+        if winner.seconds > 0:  # a winner priced at nothing (an estimate can be) leaves the loser hopeless
             margin = loser.seconds_per_token / winner.seconds_per_token - 1
             wait = min(wait, max(1, math.ceil(margin / self._PROBE_BUDGET)))
         return wins != (loser.steps_since_run >= wait)

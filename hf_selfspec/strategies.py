@@ -86,8 +86,7 @@ class Strategy:
         return DraftSourceChoice()
 
     def with_prompt_lookup(self, drafter: Drafter, params: SelfSpecParams, corpus: LookupCorpus | None) -> Drafter:
-        """`drafter` behind prompt lookup, if the parameters ask for lookup; the tuner's replay
-        wraps its predicted draft the same way."""
+        """`drafter` behind prompt lookup, if the parameters ask for lookup."""
         if not params.prompt_lookup_tokens:
             return drafter
         return PromptLookupDrafter(
@@ -100,9 +99,12 @@ class Strategy:
             corpus,
         )
 
-    def build_drafter(
+    def build_model_drafter(
         self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None
     ) -> Drafter:
+        """The draft that runs a model (a skip set, an adapter, an assistant): the part whose
+        forward passes the tuner's estimate predicts instead of running, keeping the rest of
+        the strategy's composition as it is."""
         if params.draft_alternatives:
             if assistant_model is not None:
                 raise ValueError("draft_alternatives needs the model's own draft, not an assistant_model")
@@ -113,17 +115,21 @@ class Strategy:
                     f"draft_alternatives ({params.draft_alternatives}) must be below the model's vocabulary size ({vocab_size})"
                 )
         if assistant_model is not None:
-            drafter: Drafter = AssistantDrafter(assistant_model)
-        elif self.needs_draft_adapter and not params.draft_adapter:
+            return AssistantDrafter(assistant_model)
+        if self.needs_draft_adapter and not params.draft_adapter:
             raise ValueError(
                 f"strategy {self.name!r} needs draft_adapter=<file>: train one with `hf-selfspec train-adapter`"
             )
-        elif params.draft_adapter:
+        if params.draft_adapter:
             adapter = load_adapter(model, params.draft_adapter)
-            drafter = ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives)
-        else:
-            decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)
-            drafter = LayerSkipDrafter(model, cache, decoder, params.draft_vocab_size, params.draft_alternatives)
+            return ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives)
+        decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)
+        return LayerSkipDrafter(model, cache, decoder, params.draft_vocab_size, params.draft_alternatives)
+
+    def build_drafter(
+        self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None
+    ) -> Drafter:
+        drafter = self.build_model_drafter(model, params, cache, assistant_model)
         corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
         return self.with_prompt_lookup(drafter, params, corpus)
 

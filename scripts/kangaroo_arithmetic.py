@@ -1,9 +1,9 @@
 """What `kangaroo` alone would gain with each trained adapter, on a host whose own timings are not
-the ones that matter: the acceptance is replayed, the prices are given.
+the ones that matter: the acceptance is estimated, the prices are given.
 
     .venv/bin/python scripts/kangaroo_arithmetic.py [--model embedded] [--dtype float32] [--prompts 20] ADAPTER.safetensors [...]
 
-Acceptance: the tuner's replay of the decoding loop (`tuning/estimate.py`) over each adapter's
+Acceptance: the tuner's estimate, the decoding loop run (`tuning/estimate.py`) over each adapter's
 teacher-forced drafts on HumanEval 20-39 (never trained or tuned on). Under greedy decoding an
 adapter's drafts are exact there, so the counts are what a real decode drafts and accepts, on
 any machine and in float32 as well as bfloat16 (up to near-ties).
@@ -30,7 +30,7 @@ from hf_selfspec.measure import timed_generate
 from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import encode_prompt, load_prompts
 from hf_selfspec.stats import StrategyStats
-from hf_selfspec.tuning.estimate import CostModel, draft_predictions, plain_seconds, replay_decode, teacher_force
+from hf_selfspec.tuning.estimate import CostModel, draft_predictions, estimate_decode, plain_seconds, teacher_force
 from hf_selfspec.tuning.objective import PreparedPrompt
 
 NEW_TOKENS = 64
@@ -91,7 +91,7 @@ def report(model_name: str, adapters: list[str], n_prompts: int, dtype: torch.dt
             params = resolve_params(num_layers, {**knobs, "max_draft_tokens": max_draft, "draft_exit_threshold": threshold})
             totals, seconds = StrategyStats(), 0.0
             for data, predicted in zip(forced, drafts):
-                spent, stats = replay_decode(data, params, "kangaroo", predicted, cost)
+                spent, stats = estimate_decode(model, data, params, "kangaroo", predicted, cost)
                 totals.add(stats)
                 seconds += spent
             rows.append((plain_steps / seconds, max_draft, threshold, totals))

@@ -2,12 +2,14 @@
 
 Under greedy decoding the verifier's tokens are known once plain decoding has run, so whether a
 draft token is accepted depends only on whether the draft predicts that known continuation.
-One forward pass of the draft over the continuation yields every prediction at once; replaying
-the decoding loop's rules over them (prompt lookup with its length and its choice against the
-draft, the gate, the exit policy, the longest accepted prefix plus the verifier's own token)
-counts the forward passes a real decode would run, and a cost model timed once per process turns the counts into seconds. A trial then
-costs one draft pass per prompt instead of two timed decodes, and its value carries no timing
-noise, which the sampler needs more than it needs the last few percent of accuracy.
+One forward pass of the draft over the continuation yields every prediction at once. The decoding
+loop itself (`speculative_decode`) then runs over them with the strategy's own parts, the known
+tokens standing in for the full model's forward pass and the predictions for the model's draft,
+while a clock priced by a cost model, timed once per process, stands in for wall time: the
+counters are the ones a real decode reports, and a drafter, policy or adaptive rule added to the
+loop is estimated with no second description of it. A trial then costs one draft pass per
+prompt instead of two timed decodes, and its value carries no timing noise, which the sampler
+needs more than it needs the last few percent of accuracy.
 
 The pass masks attention so that the draft at each position reads the full model's KV for the
 text before it, as a real draft does for committed text; its first proposal after every prefix
@@ -25,7 +27,9 @@ only measured speedups are reported as such.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,13 +38,13 @@ from typing import Any
 
 import optuna
 import torch
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
 from hf_selfspec.adapter import DraftAdapter, load_adapter, read_adapter_shape
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
+from hf_selfspec.decoding import WallClock, speculative_decode
 from hf_selfspec.decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter
 from hf_selfspec.drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
-from hf_selfspec.lookup_corpus import LookupCorpus, load_lookup_corpus
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import SkippingDecoder, decoder_layers
 from hf_selfspec.measure import timed, timed_generate
@@ -48,7 +52,7 @@ from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
-from hf_selfspec.strategies import resolve_strategy
+from hf_selfspec.strategies import Strategy, resolve_strategy
 
 from .categories import CategorySpeedups
 from .config import SearchConfig
@@ -266,14 +270,14 @@ def calibrate(
     )
 
 
-# Drafting with the full model itself: acceptance is certain, so the replay is exact and the
+# Drafting with the full model itself: acceptance is certain, so the estimate is exact and the
 # only unknown left is what the loop spends per step beyond its forward passes.
 _LOOP_PROBE = {
     "attn_skip_layers": [],
     "mlp_skip_layers": [],
     "max_draft_tokens": 3,
     "draft_exit_threshold": 0.0,
-    "backoff_probe_interval": 0,  # a timing-driven choice would differ between replay and decode
+    "backoff_probe_interval": 0,  # a timing-driven choice would differ between estimate and decode
 }
 
 
@@ -284,7 +288,9 @@ def calibrate_loop(
     params = resolve_params(cost.num_layers, _LOOP_PROBE)
     real = modelled = steps = 0.0
     for data in prompts:
-        seconds, stats = replay_decode(data, params, "self_speculative", draft_predictions(model, data, params), cost)
+        seconds, stats = estimate_decode(
+            model, data, params, "self_speculative", draft_predictions(model, data, params), cost
+        )
         modelled += seconds
         steps += stats.verification_steps + stats.plain_steps + 1
         real += timed_generate(
@@ -438,7 +444,7 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     return DraftPredictions(guesses, ranked.values[:, 0].tolist(), [row[1:] for row in ranked_tokens], past_misses)
 
 
-class _PredictedDrafter(Drafter):
+class _PredictedDraft(Drafter):
     """The model's draft as the draft pass predicts it: what a real draft proposes after the
     committed text, each token with its runner-ups, until the exit policy stops it."""
 
@@ -452,89 +458,103 @@ class _PredictedDrafter(Drafter):
             draft.tokens.append(token)
             if confidence < exit_policy.threshold:
                 break
+        state.sequence[0, state.length : state.length + len(draft.tokens)] = torch.tensor(draft.tokens)
         draft.alternatives = self.predictions.alternatives[row : row + len(draft.tokens)]
         return draft
 
 
-def replay_decode(
+class _KnownVerifier:
+    """The full model's forward pass where plain greedy decoding has already said what it
+    chooses: at every verified position, logits that pick plain's token there with the full
+    model's own confidence in it (which a confidence gate reads). Past the end of plain's text
+    nothing is known, and the logits there pick token 0: the decode stops at that end anyway."""
+
+    def __init__(self, data: TeacherForcedPrompt, vocab_size: int):
+        device = data.full_text.device
+        self.tokens = data.full_text[data.prompt_length :]
+        # At least twice a uniform guess, so that the peak stays plain's token whatever the
+        # teacher-forced pass rounded it to.
+        confidence = torch.tensor(data.verifier_confidence, device=device).clamp(min=2 / vocab_size)
+        self.peak, self.rest = confidence.log(), torch.log1p(-confidence) - math.log(vocab_size - 1)
+        self.first_position, self.vocab_size = data.prompt_length - 1, vocab_size
+
+    def __call__(self, input_ids, position_ids, attention_mask, logits_to_keep, hidden_layer):
+        if hidden_layer is not None:
+            raise ValueError(
+                'objective = "estimated" cannot hand a drafter the verifier\'s hidden states; use objective = "measured"'
+            )
+        rows = position_ids[0, -logits_to_keep:] - self.first_position  # the continuation token each row chooses
+        known = torch.nonzero(rows < len(self.tokens)).flatten()
+        logits = torch.zeros((len(rows), self.vocab_size), device=position_ids.device)
+        chosen = rows[known]
+        logits[known] = self.rest[chosen, None].expand(-1, self.vocab_size)
+        logits[known, self.tokens[chosen]] = self.peak[chosen]
+        return logits, None
+
+
+class PricedClock(WallClock):
+    """The decoding loop's clock in an estimate: every stage priced by the cost model instead of
+    timed. A verification costs the forward pass over its inputs (the first one, the prompt's
+    prefill, what the prompt's prefill was timed at) and the loop's overhead per step; a draft,
+    its model-drafted tokens (a lookup's cost nothing). The back-off and the draft source choice
+    learn from these prices as they learn from wall time in a real decode."""
+
+    def __init__(self, cost: CostModel, params: SelfSpecParams, prefill_seconds: float):
+        self.cost, self.prefill_seconds = cost, prefill_seconds
+        self.draft_token_seconds = cost.draft_token_seconds(params)
+        self.seconds = 0.0
+        self.prefilled = False
+
+    def step_started(self) -> float:
+        return self.seconds
+
+    def drafted(self, draft: Draft) -> float:
+        if draft.source == MODEL_SOURCE:
+            self.seconds += len(draft.tokens) * self.draft_token_seconds
+        return self.seconds
+
+    def verified(self, tokens: int) -> float:
+        forward = self.cost.verify(tokens) if self.prefilled else self.prefill_seconds
+        self.seconds += forward + self.cost.loop_step_overhead
+        self.prefilled = True
+        return self.seconds
+
+
+def estimate_decode(
+    model,
     data: TeacherForcedPrompt,
     params: SelfSpecParams,
-    strategy: str,
+    strategy: str | Strategy,
     draft: DraftPredictions,
     cost: CostModel,
-    corpus: LookupCorpus | None = None,
 ) -> tuple[float, StrategyStats]:
-    """Replay `speculative_decode` over the known continuation: the estimated seconds and the
-    counters a real decode would report. Prompt lookup, its length and the choice between its
-    proposal and the model's draft are the real drafter's, over the predicted draft."""
-    builder = resolve_strategy(strategy)
-    exit_policy, gate, backoff = builder.build_exit_policy(params), builder.build_gate(params), builder.build_backoff(params)
-    reference, prompt_length = data.reference, data.prompt_length
-    drafter = builder.with_prompt_lookup(_PredictedDrafter(draft, prompt_length), params, corpus)
-    # The text a real decode has committed; the drafter writes its proposals past it.
-    sequence = data.full_text.new_zeros((1, prompt_length + data.max_new_tokens))
-    sequence[0, : data.full_text.shape[0]] = data.full_text
-    state = DecodingState(sequence, torch.arange(sequence.shape[1], device=sequence.device)[None], prompt_length)
-    draft_token_seconds = cost.draft_token_seconds(params)
-    stats = StrategyStats(strategy=strategy)
-    seconds = 0.0
-    committed = 0
-    while committed < len(reference):
-        is_prefill = committed == 0  # it verifies free proposals only, as the real loop's does
-        proposal = Draft()
-        limit = min(params.max_proposal_tokens, data.max_new_tokens - committed - 1)
-        if limit > 0 and backoff.should_speculate():
-            if is_prefill or not gate.should_draft():
-                proposal = drafter.propose_free(state, limit)
-            else:
-                proposal = drafter.propose(state, limit, exit_policy, None)
-        proposals = proposal.tokens
-        model_drafted = len(proposals) if proposal.source == MODEL_SOURCE else 0
-        accepted = 0
-        while (
-            accepted < len(proposals)
-            and committed + accepted < len(reference)
-            and proposals[accepted] == reference[committed + accepted]
-        ):
-            accepted += 1
-        # Only the model's own proposals come with alternatives (not a lookup's).
-        alternatives = proposal.alternatives
-        # A rejected proposal's alternative that is the verifier's token earns the verifier's next one.
-        rescued = (
-            accepted < len(alternatives)
-            and committed + accepted < len(reference)
-            and reference[committed + accepted] in alternatives[accepted]
-        )
-        accepted += rescued
-        if is_prefill:
-            step_seconds = data.prefill_seconds
-        else:
-            verified = len(proposals) + 1 + sum(len(tokens) for tokens in alternatives)
-            step_seconds = model_drafted * draft_token_seconds + cost.verify(verified)
-        seconds += step_seconds + cost.loop_step_overhead
-        step_committed = min(accepted + 1, len(reference) - committed)
-        # the verifier's tokens replace whatever the drafter wrote
-        sequence[0, state.length : state.length + step_committed] = data.full_text[
-            state.length : state.length + step_committed
-        ]
-        committed += step_committed
-        state.length += step_committed
-        timed_step = None if is_prefill else step_seconds
-        if proposals:
-            exit_policy.update(accepted, len(proposals))
-            drafter.record(proposal, accepted, step_committed, timed_step)
-            stats.verification_steps += 1
-            stats.drafted_tokens += len(proposals)
-            stats.accepted_tokens += accepted
-            stats.accepted_lengths.append(accepted)
-            stats.accepted_alternatives += rescued
-        elif not is_prefill:
-            stats.plain_steps += 1
-        if gate.needs_confidence:
-            gate.update(data.verifier_confidence[committed - 1])
-        if timed_step is not None:
-            backoff.record(len(proposals), step_committed, timed_step)
-    return seconds, stats
+    """The priced seconds and the counters of decoding `data`'s prompt with `strategy`: the
+    decoding loop itself (`speculative_decode`), with plain greedy's known tokens for the full
+    model's verdicts, `draft`'s predictions for the model's draft, and `cost`'s prices for its
+    clock. Everything else is the strategy's own composition: prompt lookup and its corpus, the
+    gate, the exit policy, the back-off, a drafter of its own."""
+    strategy = copy.copy(resolve_strategy(strategy))
+    predicted = _PredictedDraft(draft, data.prompt_length)
+    # The model's draft would cost forward passes, which the estimate exists to save: wherever
+    # the strategy builds it, it gets the prediction instead.
+    strategy.build_model_drafter = lambda model, params, cache, assistant_model: predicted
+    cache = DraftAwareCache()  # stays empty: the known verifier writes no KV
+    clock = PricedClock(cost, params, data.prefill_seconds)
+    result = speculative_decode(
+        model,
+        cache,
+        strategy.build(model, params, cache),
+        data.full_text[None, : data.prompt_length],
+        TokenSelector(LogitsProcessorList(), do_sample=False),
+        # plain decoding stopped there (its EOS, if it reached one)
+        StoppingCriteriaList([MaxLengthCriteria(data.prompt_length + len(data.reference))]),
+        max_length=data.prompt_length + data.max_new_tokens,
+        max_proposal_tokens=params.max_proposal_tokens,
+        stats=StrategyStats(strategy=strategy.name),
+        forward=_KnownVerifier(data, model.get_output_embeddings().weight.shape[0]),
+        clock=clock,
+    )
+    return clock.seconds, result.stats
 
 
 def plain_seconds(data: TeacherForcedPrompt, cost: CostModel) -> float:
@@ -567,11 +587,16 @@ class EstimatedSpeedupObjective:
         except ValueError as error:
             raise optuna.TrialPruned(f"invalid skip set: {error}") from None
         categories = CategorySpeedups([data.prompt.category for data in self.prompts])
-        corpus = load_lookup_corpus(self.model, params.lookup_corpus) if params.lookup_corpus else None
         for data in self.prompts:
             predicted = draft_predictions(self.model, data, params)
-            seconds, stats = replay_decode(data, params, self.search.strategy, predicted, self.cost, corpus)
-            categories.add(data.prompt.category, plain_seconds(data, self.cost), seconds, len(data.reference), stats)
+            seconds, stats = estimate_decode(self.model, data, params, self.search.strategy, predicted, self.cost)
+            plain = plain_seconds(data, self.cost)
+            if not stats.accepted_tokens:
+                # Every token then took a forward pass of the full model, as in plain decoding,
+                # and any drafting only added to it: whatever the cost model prices a step at (one
+                # timed while the machine was busy prices them wrong), this is no faster than plain.
+                seconds = max(seconds, plain)
+            categories.add(data.prompt.category, plain, seconds, len(data.reference), stats)
         trial.set_user_attr("objective", "estimated")
         trial.set_user_attr("draft_token_seconds", self.cost.draft_token_seconds(params))
         categories.record(trial, self.category_floor)

@@ -174,11 +174,11 @@ def test_a_category_below_the_floor_makes_the_trial_infeasible(monkeypatch, floo
 
 
 def test_the_estimated_objective_is_per_category_too(monkeypatch):
-    """The replay's seconds stand in for the measured ones, category by category."""
+    """The estimate's seconds stand in for the measured ones, category by category."""
     monkeypatch.setattr("hf_selfspec.tuning.estimate.draft_predictions", lambda model, data, params: None)
     monkeypatch.setattr(
-        "hf_selfspec.tuning.estimate.replay_decode",
-        lambda data, params, strategy, draft, cost, corpus=None: (
+        "hf_selfspec.tuning.estimate.estimate_decode",
+        lambda model, data, params, strategy, draft, cost: (
             SCRIPT[data.prompt.id][1],
             StrategyStats(drafted_tokens=SCRIPT[data.prompt.id][2], accepted_tokens=SCRIPT[data.prompt.id][3]),
         ),

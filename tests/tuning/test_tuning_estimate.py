@@ -1,40 +1,49 @@
-"""The estimated objective: the draft pass, the replay of the decoding loop, and the study that
-confirms its best estimates by real decoding."""
+"""The estimated objective: the draft pass, the decoding loop driven over plain greedy's known
+tokens with priced seconds, and the study that confirms its best estimates by real decoding."""
 
 from __future__ import annotations
 
+import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 from helpers.tuning import write_study_config
 
+from hf_selfspec import strategies
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.decoding_types import DecodingState
+from hf_selfspec.decoding import speculative_decode
+from hf_selfspec.decoding_types import DecodingState, Draft, Drafter
 from hf_selfspec.drafters import LayerSkipDrafter
 from hf_selfspec.layer_skip import SkippingDecoder
-from hf_selfspec.params import resolve_params
+from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy, ThroughputBackoff
 from hf_selfspec.selection import TokenSelector
+from hf_selfspec.stats import StrategyStats
 from helpers.adapters import random_adapter
 from helpers.tiny_models import NUM_LAYERS, tiny_model
-from hf_selfspec.tuning.config import StudyConfigError, load_study_config
+from hf_selfspec.tuning.config import SearchConfig, StudyConfigError, load_study_config
 from hf_selfspec.tuning.estimate import (
     CostModel,
+    EstimatedSpeedupObjective,
+    PricedClock,
+    TeacherForcedPrompt,
     calibrate,
     check_supported,
     draft_predictions,
-    replay_decode,
+    estimate_decode,
+    plain_seconds,
     teacher_force,
 )
 from hf_selfspec.tuning.export import export_profile
 from hf_selfspec.tuning.objective import PreparedPrompt
-from hf_selfspec.tuning.space import decode_params
+from hf_selfspec.tuning.space import decode_params, warm_start_trials
 from hf_selfspec.tuning.tune import format_summary, run_tune
 
 pytestmark = pytest.mark.version_sensitive
 
 NEW_TOKENS = 24
+PROMPT_LENGTHS = (5, 11, 17)
 
 
 @pytest.fixture(scope="module")
@@ -66,42 +75,95 @@ def _free(num_layers: int) -> CostModel:
     return CostModel(num_layers, (0.0,) * 16, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
+# A verification of k tokens costs more than one of k - 1, a drafted token a fraction of a
+# verification (an adapter's more cheaply than the full model's): drafting pays only where it is
+# accepted, so the back-off and the draft source choice have something to decide.
+PRICES = CostModel(NUM_LAYERS, (0.0, 1.0, *(1.1 + 0.1 * k for k in range(14))), 0.2, 0.1, 0.05, 0.05, 0.0, 0.0, 0.1)
+
+
+def _estimate(model, data: TeacherForcedPrompt, params: SelfSpecParams, strategy, cost: CostModel = PRICES):
+    return estimate_decode(model, data, params, strategy, draft_predictions(model, data, params), cost)
+
+
+@torch.no_grad()
+def _decode(model, data: TeacherForcedPrompt, params: SelfSpecParams, strategy, cost: CostModel = PRICES):
+    """Real decoding, its clock priced as the estimate's is: a back-off or a draft source choice
+    then decides from the same seconds in both. Returns those seconds and the counters."""
+    prompt = data.full_text[None, : data.prompt_length]
+    max_length = data.prompt_length + data.max_new_tokens
+    cache = DraftAwareCache(model.config)
+    strategy = strategies.resolve_strategy(strategy)
+    clock = PricedClock(cost, params, data.prefill_seconds)
+    result = speculative_decode(
+        model, cache, strategy.build(model, params, cache), prompt, TokenSelector(LogitsProcessorList(), False),
+        StoppingCriteriaList([MaxLengthCriteria(max_length)]), max_length, params.max_proposal_tokens,
+        StrategyStats(strategy=strategy.name), clock=clock,
+    )  # fmt: skip
+    assert result.sequences[0].tolist() == data.full_text.tolist()  # lossless, as ever
+    return clock.seconds, result.stats
+
+
+def _counters(stats: StrategyStats) -> dict:
+    keys = ("drafted_tokens", "accepted_tokens", "verification_steps", "plain_steps", "accepted_alternatives",
+            "accepted_lengths")  # fmt: skip
+    return {key: getattr(stats, key) for key in keys}
+
+
+def _estimated_as_decoded(model, params: SelfSpecParams, strategy, contrast) -> tuple[StrategyStats, StrategyStats]:
+    """Asserts that on each prompt the estimate and a real decode priced alike agree on every
+    counter and on the seconds; returns the estimate's counters summed over the prompts, and
+    `contrast`'s (another estimate of the same text)."""
+    total, contrasted = StrategyStats(), StrategyStats()
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        data = teacher_force(model, _prepared(model, length, seed, 40), 40)
+        estimated_seconds, estimated = _estimate(model, data, params, strategy)
+        real_seconds, real = _decode(model, data, params, strategy)
+        assert _counters(estimated) == _counters(real), seed
+        assert estimated_seconds == pytest.approx(real_seconds), seed
+        total.add(estimated)
+        contrasted.add(contrast(data))
+    return total, contrasted
+
+
+# Every rule at work: a lookup whose length adapts, the choice between it and the model's draft,
+# the back-off, the draft's alternatives, each strategy's exit policy and gate.
+EVERY_RULE = {
+    "max_draft_tokens": 3, "draft_exit_threshold": 0.3, "draft_alternatives": 1, "prompt_lookup_tokens": 2,
+    "prompt_lookup_min_ngram": 1, "prompt_lookup_max_tokens": 8, "draft_source_probe_interval": 2,
+    "backoff_probe_interval": 2, "target_confidence_threshold": 0.5,
+}  # fmt: skip
+# Drafts whose predictions are exact: the full model drafting for itself (always accepted), and a
+# trained adapter, whose shallow layers are the full model's own (often rejected).
+DRAFTS = ("full model", "adapter")
+
+
 @pytest.mark.parametrize(
-    "strategy, knobs",
+    "strategy, draft",
     [
-        ("self_speculative", {"max_draft_tokens": 3, "draft_exit_threshold": 0.0}),
-        ("adaptive_draft_exit", {"max_draft_tokens": 6, "draft_exit_threshold": 0.5}),
-        ("target_confidence_gated", {"target_confidence_threshold": 0.6, "prompt_lookup_tokens": 4}),
-        ("self_speculative", {"max_draft_tokens": 3, "draft_exit_threshold": 0.0, "prompt_lookup_tokens": 2,
-                              "prompt_lookup_min_ngram": 1, "prompt_lookup_max_tokens": 12}),
+        (name, draft)
+        for name in strategies.available_strategies()
+        for draft in DRAFTS
+        if draft == "adapter" or not strategies.resolve_strategy(name).needs_draft_adapter
     ],
 )
-def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, strategy, knobs):
-    """With nothing skipped every draft token is accepted, so the replay must match a real
-    decode step for step: same drafts, same acceptances, same plain steps."""
-    # The back-off decides from real timings, which a replay cannot reproduce.
-    params = resolve_params(
-        NUM_LAYERS, {"attn_skip_layers": [], "mlp_skip_layers": [], "backoff_probe_interval": 0, **knobs}
+def test_the_estimate_counts_what_decoding_does_with_every_strategy(sharp_llama, tmp_path, strategy, draft):
+    """The estimate runs the decoding loop itself with the strategy's own parts, so with a draft
+    it predicts exactly, and its clock priced alike, it reports what a real decode reports:
+    every counter, step for step, and the same priced seconds."""
+    if draft == "adapter":
+        knobs = {"draft_adapter": random_adapter(sharp_llama, 1, tmp_path)}
+    else:
+        knobs = {"attn_skip_layers": [], "mlp_skip_layers": []}
+    params = resolve_params(NUM_LAYERS, {**EVERY_RULE, **knobs})
+    never_adapting = resolve_params(
+        NUM_LAYERS, {**EVERY_RULE, **knobs, "backoff_probe_interval": 0, "draft_source_probe_interval": 0}
     )
-    replayed_steps = 0
-    for seed, length in enumerate((5, 11, 17)):
-        prompt = _prepared(sharp_llama, length, seed)
-        data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
-        _, replayed = replay_decode(
-            data, params, strategy, draft_predictions(sharp_llama, data, params), _free(NUM_LAYERS)
-        )
-        real = sharp_llama.generate(
-            prompt.inputs["input_ids"],
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            strategy=strategy,
-            return_dict_in_generate=True,
-            **params.as_dict(),
-        ).strategy_stats
-        assert replayed.accepted_lengths == real.accepted_lengths, seed
-        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
-        replayed_steps += replayed.verification_steps
-    assert replayed_steps > 0
+    total, without_the_timed_rules = _estimated_as_decoded(
+        sharp_llama, params, strategy, lambda data: _estimate(sharp_llama, data, never_adapting, strategy)[1]
+    )
+    assert 0 < total.accepted_tokens and total.verification_steps > 0 and total.plain_steps > 0
+    # the back-off and the draft source choice, which learn from the clock, changed the decode
+    assert _counters(total) != _counters(without_the_timed_rules)
 
 
 @pytest.mark.parametrize(
@@ -114,42 +176,111 @@ def test_replay_counts_what_decoding_with_a_full_model_draft_does(sharp_llama, s
         ("gemma3", 2, True, 0, 1, 0.3),
     ],
 )
-def test_replay_counts_what_decoding_with_a_trained_adapter_does(
+def test_the_estimate_counts_what_decoding_with_a_trained_adapter_does(
     tmp_path, architecture, exit_layer, mlp, draft_vocab_size, draft_alternatives, threshold
 ):
     """An adapter drafts from the full model's own shallow layers, so as long as its tokens are
     right, the one pass over the text predicts exactly what a real draft proposes next, and its
     runner-ups; past a wrong token, the side branches draft what the real draft goes on to
-    propose and how sure it is. So the replay matches a real decode step for step: rejections,
-    rescues by an alternative, and where an exit threshold stops each draft."""
+    propose and how sure it is. So the estimate matches a real decode (`generate` itself) step for
+    step: rejections, rescues by an alternative, and where an exit threshold stops each draft."""
     model = _sharp(architecture)
     adapter = random_adapter(model, exit_layer, tmp_path, mlp=mlp)
     params = resolve_params(NUM_LAYERS, {
         "draft_adapter": adapter, "max_draft_tokens": 4, "draft_exit_threshold": threshold,
         "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
     })  # fmt: skip
-    accepted = drafted = rescued = 0
-    for seed, length in enumerate((5, 11, 17)):
+    total = StrategyStats()
+    for seed, length in enumerate(PROMPT_LENGTHS):
         prompt = _prepared(model, length, seed)
         data = teacher_force(model, prompt, NEW_TOKENS)
-        _, replayed = replay_decode(data, params, "kangaroo", draft_predictions(model, data, params), _free(NUM_LAYERS))
+        _, estimated = _estimate(model, data, params, "kangaroo", _free(NUM_LAYERS))
         real = model.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    strategy="kangaroo", return_dict_in_generate=True,
-                                    **params.as_dict()).strategy_stats
-        assert replayed.accepted_lengths == real.accepted_lengths, seed
-        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
-        assert replayed.accepted_alternatives == real.accepted_alternatives, seed
-        accepted, drafted = accepted + replayed.accepted_tokens, drafted + replayed.drafted_tokens
-        rescued += real.accepted_alternatives
-    assert 0 < accepted < drafted  # both acceptances and rejections were replayed
-    assert (rescued > 0) == (draft_alternatives > 0)
+                              strategy="kangaroo", return_dict_in_generate=True, **params.as_dict()).strategy_stats
+        assert _counters(estimated) == _counters(real), seed
+        total.add(estimated)
+    assert 0 < total.accepted_tokens < total.drafted_tokens  # both acceptances and rejections
+    assert (total.accepted_alternatives > 0) == (draft_alternatives > 0)
+
+
+class _PatternDrafter(Drafter):
+    """Proposes `pattern(committed text)`, cut to the room: a drafter of a test's own, which
+    costs no forward pass and which no built-in strategy composes."""
+
+    def __init__(self, pattern):
+        self.pattern = pattern
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        tokens = self.pattern(state.sequence[0, : state.length].tolist())[:max_tokens]
+        state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return Draft(tokens=tokens)
+
+
+def _recall(text: list[int]) -> list[int]:
+    """What followed the newest token where it occurred last before."""
+    earlier = [index for index, token in enumerate(text[:-1]) if token == text[-1]]
+    return text[earlier[-1] + 1 : earlier[-1] + 4] if earlier else []
+
+
+@pytest.fixture
+def own_drafter_strategy(monkeypatch):
+    """Register a strategy whose drafter is its own, proposing `pattern`; unregistered after the
+    test, and tunable with the knobs every strategy declares."""
+
+    def register(name: str, pattern) -> str:
+        class OwnDrafter(strategies.Strategy):
+            def build_drafter(self, model, params, cache, assistant_model):
+                return _PatternDrafter(pattern)
+
+        monkeypatch.setitem(strategies._REGISTRY, name, OwnDrafter)
+        strategies.register_strategy(name)(OwnDrafter)
+        return name
+
+    return register
+
+
+def test_a_strategy_with_its_own_drafter_is_estimated_with_that_drafter(sharp_llama, own_drafter_strategy):
+    """Its drafter is what the strategy builds, not the model's draft the estimate predicts: the
+    estimate proposes what it proposes, and reports what a real decode with it reports."""
+    strategy = own_drafter_strategy("recall", _recall)
+    params = resolve_params(NUM_LAYERS, {"max_draft_tokens": 3, "backoff_probe_interval": 2})
+    own, default = _estimated_as_decoded(
+        sharp_llama, params, strategy, lambda data: _estimate(sharp_llama, data, params, "self_speculative")[1]
+    )
+    assert own.accepted_tokens > 0
+    assert _counters(own) != _counters(default)
+
+
+def test_a_trial_that_accepts_nothing_is_never_estimated_above_plain(sharp_llama, own_drafter_strategy):
+    """Priced so that a verification step costs less than a plain step (as a cost model timed on
+    a busy machine can be), a draft that is never accepted would be estimated faster than plain;
+    but every token then took a full forward pass, as in plain decoding, so the trial's value
+    is no more than plain's."""
+    forced = [teacher_force(sharp_llama, _prepared(sharp_llama, length, seed), NEW_TOKENS)
+              for seed, length in enumerate(PROMPT_LENGTHS)]  # fmt: skip
+    unused = min(set(range(sharp_llama.config.vocab_size)) - {token for data in forced for token in data.reference})
+    strategy = own_drafter_strategy("never_right", lambda text: [unused] * 3)
+    cheap_steps = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    params = resolve_params(NUM_LAYERS, {"max_draft_tokens": 3})
+    for data in forced:
+        seconds, stats = _estimate(sharp_llama, data, params, strategy, cheap_steps)
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens == 0
+        assert seconds < plain_seconds(data, cheap_steps)  # what the cost model alone would claim
+
+    objective = EstimatedSpeedupObjective(sharp_llama, forced, cheap_steps, SearchConfig(strategy=strategy), "test")
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial(warm_start_trials(SearchConfig(strategy=strategy), NUM_LAYERS)[0])
+    study.optimize(objective, n_trials=1)
+    (trial,) = study.trials
+    assert trial.user_attrs["acceptance_rate"] == 0.0
+    assert trial.value <= 1.0
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gemma2"])
-def test_replay_adapts_the_lookup_length_as_decoding_does(tmp_path, architecture):
+def test_the_estimate_adapts_the_lookup_length_as_decoding_does(tmp_path, architecture):
     """One-token matches proposed at a length that grows while proposals are taken whole and
     shrinks when they are cut, beside an adapter's draft that the verifier sometimes rejects:
-    the replay runs the decoding loop's own lookup drafter and length policy, so it matches a
+    the estimate runs the decoding loop's own lookup drafter and length policy, so it matches a
     real decode step for step, and the adaptation changes what is proposed."""
     model = _sharp(architecture)
     fixed = {
@@ -158,37 +289,36 @@ def test_replay_adapts_the_lookup_length_as_decoding_does(tmp_path, architecture
     }  # fmt: skip
     params = resolve_params(NUM_LAYERS, {**fixed, "prompt_lookup_max_tokens": 12})
     changed = 0
-    for seed, length in enumerate((5, 11, 17)):
+    for seed, length in enumerate(PROMPT_LENGTHS):
         prompt = _prepared(model, length, seed)
         data = teacher_force(model, prompt, NEW_TOKENS)
-        predicted = draft_predictions(model, data, params)
-        _, replayed = replay_decode(data, params, "kangaroo", predicted, _free(NUM_LAYERS))
+        _, estimated = _estimate(model, data, params, "kangaroo", _free(NUM_LAYERS))
         real = model.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
                               strategy="kangaroo", return_dict_in_generate=True, **params.as_dict()).strategy_stats
-        assert replayed.accepted_lengths == real.accepted_lengths, seed
-        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
-        _, at_fixed_length = replay_decode(
-            data, resolve_params(NUM_LAYERS, fixed), "kangaroo", predicted, _free(NUM_LAYERS)
-        )
-        changed += at_fixed_length.drafted_tokens != replayed.drafted_tokens
+        assert _counters(estimated) == _counters(real), seed
+        _, at_fixed_length = _estimate(model, data, resolve_params(NUM_LAYERS, fixed), "kangaroo", _free(NUM_LAYERS))
+        changed += at_fixed_length.drafted_tokens != estimated.drafted_tokens
     assert changed > 0
 
 
-def test_replay_chooses_the_cheaper_draft_source_by_its_priced_steps(sharp_llama):
+def test_the_estimate_chooses_the_cheaper_draft_source_by_its_priced_steps(sharp_llama):
     """A full-model draft is always accepted and here costs nothing, while one-token lookups are
-    mostly cut: choosing by priced seconds per committed token, the replay turns to the model's
-    draft where lookup would have gone first, and commits the text in fewer, longer steps."""
+    mostly cut: choosing by priced seconds per committed token, the estimate turns to the model's
+    draft where lookup would have gone first, commits the text in fewer, longer steps, and makes
+    the choices a real decode priced alike makes."""
     knobs = {"attn_skip_layers": [], "mlp_skip_layers": [], "max_draft_tokens": 2, "draft_exit_threshold": 0.0,
              "prompt_lookup_tokens": 2, "prompt_lookup_min_ngram": 1, "backoff_probe_interval": 0}  # fmt: skip
     cost = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3, new_tokens=96), 96)
 
-    def replay(draft_source_probe_interval: int):
+    def estimate(draft_source_probe_interval: int):
         params = resolve_params(NUM_LAYERS, {**knobs, "draft_source_probe_interval": draft_source_probe_interval})
-        return replay_decode(data, params, "self_speculative", draft_predictions(sharp_llama, data, params), cost)
+        seconds, stats = _estimate(sharp_llama, data, params, "self_speculative", cost)
+        assert _counters(stats) == _counters(_decode(sharp_llama, data, params, "self_speculative", cost)[1])
+        return seconds, stats
 
-    lookup_first_seconds, lookup_first = replay(0)
-    chosen_seconds, chosen = replay(4)
+    lookup_first_seconds, lookup_first = estimate(0)
+    chosen_seconds, chosen = estimate(4)
     assert lookup_first.accepted_tokens < lookup_first.drafted_tokens  # lookups were cut
     assert chosen.verification_steps < lookup_first.verification_steps
     assert chosen.acceptance_rate > lookup_first.acceptance_rate
@@ -227,56 +357,56 @@ def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(s
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
-def test_replay_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):
+
+
+def test_the_estimate_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):
     """Lookups only (a closed gate), first in the text, then in the model's own writing: the
-    replay proposes exactly what a real decode proposes, with the loop's own lookup."""
-    from hf_selfspec.lookup_corpus import load_lookup_corpus, save_lookup_corpus
+    estimate proposes exactly what a real decode proposes, with the loop's own lookup."""
+    from hf_selfspec.lookup_corpus import save_lookup_corpus
 
     texts = [_prepared(sharp_llama, 4, seed).reference_tokens for seed in range(10, 16)]
     path = save_lookup_corpus(texts, tmp_path / "own", sharp_llama.config.vocab_size, "the model's own")
-    params = resolve_params(NUM_LAYERS, {
+    knobs = {
         "target_confidence_threshold": 1.0, "prompt_lookup_tokens": 5, "prompt_lookup_min_ngram": 1,
-        "lookup_corpus": str(path), "backoff_probe_interval": 0, "attn_skip_layers": [], "mlp_skip_layers": [],
-    })  # fmt: skip
-    corpus, drafted = load_lookup_corpus(sharp_llama, path), 0
-    for seed, length in enumerate((5, 11, 17)):
+        "backoff_probe_interval": 0, "attn_skip_layers": [], "mlp_skip_layers": [],
+    }  # fmt: skip
+    params = resolve_params(NUM_LAYERS, {**knobs, "lookup_corpus": str(path)})
+    drafted = 0
+    for seed, length in enumerate(PROMPT_LENGTHS):
         prompt = _prepared(sharp_llama, length, seed)
         data = teacher_force(sharp_llama, prompt, NEW_TOKENS)
-        predicted = draft_predictions(sharp_llama, data, params)  # for a gate that opens at 100% sure
-        _, replayed = replay_decode(data, params, "target_confidence_gated", predicted, _free(NUM_LAYERS), corpus)
+        _, estimated = _estimate(sharp_llama, data, params, "target_confidence_gated", _free(NUM_LAYERS))
         real = sharp_llama.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
                                     strategy="target_confidence_gated", return_dict_in_generate=True,
                                     **params.as_dict()).strategy_stats
-        assert replayed.accepted_lengths == real.accepted_lengths, seed
-        assert (replayed.drafted_tokens, replayed.plain_steps) == (real.drafted_tokens, real.plain_steps), seed
-        _, without = replay_decode(data, params, "target_confidence_gated", predicted, _free(NUM_LAYERS))
-        drafted += replayed.drafted_tokens - without.drafted_tokens
+        assert _counters(estimated) == _counters(real), seed
+        _, without = _estimate(sharp_llama, data, resolve_params(NUM_LAYERS, knobs), "target_confidence_gated")
+        drafted += estimated.drafted_tokens - without.drafted_tokens
     assert drafted > 0  # the corpus proposed where the text alone did not
 
 
-def test_replay_backs_off_where_its_priced_steps_say_drafting_loses(sharp_llama):
-    """The replay feeds the back-off priced seconds in place of its clock. Priced so that a
+def test_the_estimate_backs_off_where_its_priced_steps_say_drafting_loses(sharp_llama):
+    """The estimate feeds the back-off priced seconds in place of wall time. Priced so that a
     drafted token costs as much as a plain step, a draft the verifier sometimes rejects loses,
-    and the replayed back-off must turn to plain steps and beat drafting at every step; priced
-    free, drafting wins and the back-off keeps drafting."""
+    and the back-off must turn to plain steps and beat drafting at every step; priced free,
+    drafting wins and the back-off keeps drafting."""
     knobs = {"attn_skip_layers": [1, 3], "mlp_skip_layers": [2], "max_draft_tokens": 4, "draft_exit_threshold": 0.0}
     pricey = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0)
     free_draft = CostModel(NUM_LAYERS, (0.0,) + (1.0,) * 15, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
 
-    def replay(cost: CostModel, backoff_probe_interval: int):
+    def estimate(cost: CostModel, backoff_probe_interval: int):
         params = resolve_params(NUM_LAYERS, {**knobs, "backoff_probe_interval": backoff_probe_interval})
-        predictions = draft_predictions(sharp_llama, data, params)
-        return replay_decode(data, params, "self_speculative", predictions, cost)
+        return _estimate(sharp_llama, data, params, "self_speculative", cost)
 
-    always_seconds, always = replay(pricey, 0)
+    always_seconds, always = estimate(pricey, 0)
     assert always.plain_steps <= 1 and always.accepted_tokens < always.drafted_tokens  # rejections happen
-    backoff_seconds, backed_off = replay(pricey, 4)
+    backoff_seconds, backed_off = estimate(pricey, 4)
     # drafting steps: the back-off's first measurement of drafting, then one probe
     assert backed_off.verification_steps == ThroughputBackoff._FIRST_SPECULATIVE_STEPS + 1
     assert backed_off.plain_steps > always.plain_steps + 1
     assert backoff_seconds < always_seconds
-    _, kept = replay(free_draft, 4)
+    _, kept = estimate(free_draft, 4)
     # plain steps: the one measuring step, two probes (after 4 and 8 drafting steps), and the last
     # step, which has no room to draft
     assert kept.plain_steps <= 4 and kept.verification_steps > kept.plain_steps
