@@ -137,6 +137,18 @@ EVERY_RULE = {
 DRAFTS = ("full model", "adapter")
 
 
+def _kangaroo_estimate_checked_by_decoding(model, params, length: int, seed: int):
+    """A prompt's teacher-forced data and the estimate's Kangaroo counters, asserted equal to what
+    a real `generate` with the same params counts."""
+    prompt = _prepared(model, length, seed)
+    data = teacher_force(model, prompt, NEW_TOKENS)
+    _, estimated = _estimate(model, data, params, "kangaroo", _free(NUM_LAYERS))
+    real = model.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
+                          strategy="kangaroo", return_dict_in_generate=True, **params.as_dict()).strategy_stats
+    assert _counters(estimated) == _counters(real), seed
+    return data, estimated
+
+
 @pytest.mark.parametrize(
     "strategy, draft",
     [
@@ -192,12 +204,7 @@ def test_the_estimate_counts_what_decoding_with_a_trained_adapter_does(
     })  # fmt: skip
     total = StrategyStats()
     for seed, length in enumerate(PROMPT_LENGTHS):
-        prompt = _prepared(model, length, seed)
-        data = teacher_force(model, prompt, NEW_TOKENS)
-        _, estimated = _estimate(model, data, params, "kangaroo", _free(NUM_LAYERS))
-        real = model.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
-                              strategy="kangaroo", return_dict_in_generate=True, **params.as_dict()).strategy_stats
-        assert _counters(estimated) == _counters(real), seed
+        _, estimated = _kangaroo_estimate_checked_by_decoding(model, params, length, seed)
         total.add(estimated)
     assert 0 < total.accepted_tokens < total.drafted_tokens  # both acceptances and rejections
     assert (total.accepted_alternatives > 0) == (draft_alternatives > 0)
@@ -290,12 +297,7 @@ def test_the_estimate_adapts_the_lookup_length_as_decoding_does(tmp_path, archit
     params = resolve_params(NUM_LAYERS, {**fixed, "prompt_lookup_max_tokens": 12})
     changed = 0
     for seed, length in enumerate(PROMPT_LENGTHS):
-        prompt = _prepared(model, length, seed)
-        data = teacher_force(model, prompt, NEW_TOKENS)
-        _, estimated = _estimate(model, data, params, "kangaroo", _free(NUM_LAYERS))
-        real = model.generate(prompt.inputs["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
-                              strategy="kangaroo", return_dict_in_generate=True, **params.as_dict()).strategy_stats
-        assert _counters(estimated) == _counters(real), seed
+        data, estimated = _kangaroo_estimate_checked_by_decoding(model, params, length, seed)
         _, at_fixed_length = _estimate(model, data, resolve_params(NUM_LAYERS, fixed), "kangaroo", _free(NUM_LAYERS))
         changed += at_fixed_length.drafted_tokens != estimated.drafted_tokens
     assert changed > 0

@@ -144,7 +144,7 @@ def test_backoff_probes_a_close_loser_sooner_and_a_free_winner_on_schedule():
     decisions = _run(close, FIRST + 20, speculative_cost=1.05, speculative_tokens=1)
     probes = [step - FIRST for step, speculate in enumerate(decisions) if speculate][FIRST:]
     assert probes[:3] == [3, 7, 11]
-    # a winner priced at nothing (a replay's cost model can be) keeps the doubling schedule
+    # a winner priced at nothing (an estimate's cost model can be) keeps the doubling schedule
     free = ThroughputBackoff(probe_interval=4)
     plain_steps = [step - FIRST for step, speculate in enumerate(_run(free, FIRST + 30, 0.0, 3)) if not speculate]
     assert plain_steps == [0, 5, 14]
