@@ -19,6 +19,7 @@ _COMMANDS = {
     "export": "hf_selfspec.tuning.cli",
     "push": "hf_selfspec.tuning.cli",
     "quickstart": "hf_selfspec.tuning.cli",
+    "optimize": "hf_selfspec.tuning.cli",
 }
 
 

@@ -1,4 +1,5 @@
-"""Argument wiring for `hf-selfspec tune | dashboard | export | push | train-adapter | write-lookup-corpus | quickstart`.
+"""Argument wiring for `hf-selfspec tune | dashboard | export | push | train-adapter | write-lookup-corpus | optimize |
+quickstart`.
 
 Only argparse lives here; each command's work is in its own module, imported when the command
 runs, so the tuner's dependencies (optuna, optuna-dashboard, the Hub client) load only then.
@@ -60,12 +61,29 @@ def _reporting(command: str):
     return wrap
 
 
+def _model_config(args: argparse.Namespace):
+    """The [model] section a command's --model, --dtype and --device stand for, checked now."""
+    from hf_selfspec.inputs import model_name, usable_device
+
+    from .toml_reader import ModelConfig
+
+    return ModelConfig(name=model_name(args.model), dtype=args.dtype, device=usable_device(args.device))
+
+
 @_reporting("tune")
 def _tune(args: argparse.Namespace) -> int:
     from .config import load_study_config
     from .tune import format_summary, run_tune
 
-    config = load_study_config(args.study).with_overrides(args.n_prompts, args.max_new_tokens)
+    if (args.study is None) == (args.model is None):
+        raise TuningError("give either a STUDY.toml or --model DIR|HUB_ID (which tunes with the derived defaults)")
+    if args.study is not None:
+        config = load_study_config(args.study)
+    else:
+        from .default_study import study_for_model
+
+        config = study_for_model(_model_config(args), args.storage)
+    config = config.with_overrides(args.n_prompts, args.max_new_tokens)
     outcome = run_tune(config, args.storage, args.n_trials, args.timeout, show_progress=not args.no_progress)
     print(format_summary(outcome))
     return 0
@@ -145,11 +163,32 @@ def _write_lookup_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+@_reporting("optimize")
+def _optimize(args: argparse.Namespace) -> int:
+    from .optimize import OptimizeRequest, check_request, run_optimize
+
+    request = check_request(OptimizeRequest(
+        model=_model_config(args), output=args.output, budget_seconds=args.budget * 60,
+        prompts=args.prompts, storage=args.storage, show_progress=not args.no_progress,
+    ))
+    print(run_optimize(request))
+    return 0
+
+
 @_reporting("quickstart")
 def _quickstart(args: argparse.Namespace) -> int:
     from .quickstart import run_quickstart
 
     return run_quickstart(args.output, args.n_trials, args.storage, show_progress=not args.no_progress)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, model_help: str, required: bool) -> None:
+    parser.add_argument("--model", required=required, metavar="DIR|HUB_ID", help=model_help)
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+        help="weights dtype; auto is the checkpoint's own (default: %(default)s)",
+    )
+    parser.add_argument("--device", default="cpu", help="device to run on, e.g. cpu or cuda (default: %(default)s)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -161,7 +200,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "differ (in bfloat16 or float16: beyond a near-tie of plain's own logits). Trials are stored as they finish: re-running the same config resumes the study, and "
         "several processes or machines given the same --storage share it.",
     )
-    tune.add_argument("study", type=Path, metavar="STUDY.toml", help="study config, e.g. studies/smollm2-135m.toml")
+    tune.add_argument(
+        "study", type=Path, nargs="?", metavar="STUDY.toml", help="study config, e.g. studies/smollm2-135m.toml"
+    )
+    _add_model_arguments(
+        tune, "instead of a STUDY.toml: tune this model with the ranges `optimize` derives from its shape and "
+        "this device's timings (no lookup corpus, no adapter)", required=False,
+    )
     tune.add_argument(
         "--n-trials",
         type=positive_int,
@@ -280,6 +325,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     corpus.add_argument("config", type=Path, metavar="CONFIG.toml", help="corpus config")
     corpus.add_argument("--no-progress", action="store_true", help="no progress bars")
     corpus.set_defaults(func=_write_lookup_corpus)
+
+    optimize = subparsers.add_parser(
+        "optimize",
+        help="from a model to a tuned profile in one command, within a time budget",
+        description="Write a lookup corpus of the model's own text, train a Kangaroo adapter if the budget "
+        "allows, tune on the workload's tune split over ranges derived from the model's shape and this device's "
+        "verification cost, confirm the best trials against plain decoding and transformers' prompt lookup on "
+        "held-out prompts, and export the winner into DIR/generation_config.json with its files, and the study "
+        "it used as DIR/study.toml. Each stage is recorded in DIR/work/optimize.json as it finishes: run the "
+        "same command again to resume after a kill.",
+    )
+    _add_model_arguments(optimize, "the model to optimize", required=True)
+    optimize.add_argument(
+        "--budget", type=float, default=30.0, metavar="MINUTES",
+        help="wall time for all stages together, across resumed runs (default: %(default)s)",
+    )
+    optimize.add_argument("--output", required=True, type=Path, metavar="DIR", help="directory to write into")
+    optimize.add_argument(
+        "--prompts", metavar="FILE.jsonl", help="tune on this JSONL file (its tune split, if it marks one) instead "
+        "of the general workload; its held_out split, if any, is the one confirmed on",
+    )
+    optimize.add_argument("--storage", metavar="URL", help=STORAGE_HELP.replace(
+        "sqlite:///studies/optuna.db, relative to the current directory", "DIR/work/optuna.db"))
+    optimize.add_argument("--no-progress", action="store_true", help="no progress bars")
+    optimize.set_defaults(func=_optimize)
 
     quickstart = subparsers.add_parser(
         "quickstart",

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from optuna.trial import TrialState
+
 from hf_selfspec.inputs import InputError, output_directory
 from hf_selfspec.loading import EMBEDDED
 from hf_selfspec.profile_files import AdapterConflictError, adapter_digest, copy_adapter
@@ -90,9 +92,10 @@ def _write_atomically(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
-def best_profile(study, context: StudyContext) -> TunedProfile:
-    """The study's best complete feasible trial as a profile, with what it was measured on."""
-    best = best_trial(study)
+def best_profile(study, context: StudyContext, trial_number: int | None = None) -> TunedProfile:
+    """The study's best complete feasible trial (or the complete trial `trial_number`, chosen by
+    another measurement) as a profile, with what it was measured on."""
+    best = best_trial(study) if trial_number is None else _complete_trial(study, trial_number)
     infeasible = infeasible_trials(study)
     if best is None and infeasible:
         raise ExportError(
@@ -143,14 +146,24 @@ def best_profile(study, context: StudyContext) -> TunedProfile:
     return TunedProfile(context.strategy, params, measured)
 
 
-def export_profile(storage_url: str, study_name: str, output_dir: str | Path) -> ExportResult:
+def _complete_trial(study, number: int):
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    chosen = next((trial for trial in trials if trial.number == number), None)
+    if chosen is None:
+        raise ExportError(f"study {study.study_name!r} has no complete trial {number}")
+    return chosen
+
+
+def export_profile(
+    storage_url: str, study_name: str, output_dir: str | Path, trial_number: int | None = None
+) -> ExportResult:
     try:
         output_dir = output_directory(output_dir, "--output")
     except InputError as error:
         raise ExportError(str(error)) from None
     study = load_existing_study(storage_url, study_name)
     context = StudyContext.load(study)
-    profile = best_profile(study, context)
+    profile = best_profile(study, context, trial_number)
     path = output_dir / CONFIG_NAME
     data = _read_existing(path) if path.is_file() else _model_generation_config(context)
     # transformers drops every key it does not know, our profiles included, when it loads a

@@ -20,7 +20,7 @@ def by_category(prompts: PromptConfig) -> bool:
     return prompts.source == WORKLOAD or prompts.per_category is not None
 
 
-def _categories(prompts: list[Prompt]) -> dict[str | None, list[Prompt]]:
+def prompts_by_category(prompts: list[Prompt]) -> dict[str | None, list[Prompt]]:
     """The prompts by category, categories in order of first appearance, each in its own order."""
     groups: dict[str | None, list[Prompt]] = {}
     for prompt in prompts:
@@ -36,7 +36,7 @@ def select_study_prompts(prompts: PromptConfig) -> list[Prompt]:
     """The study's prompts; a ValueError names the source when it cannot supply them."""
     if not by_category(prompts):
         return load_prompts(prompts.source, prompts.n_prompts or DEFAULT_N_PROMPTS, prompts.offset, prompts.split)
-    groups = _categories(load_prompts(prompts.source, split=prompts.split))
+    groups = prompts_by_category(load_prompts(prompts.source, split=prompts.split))
     if prompts.per_category is not None:
         short = {category: len(group) for category, group in groups.items() if len(group) < prompts.per_category}
         if short:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import socket
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -160,10 +162,13 @@ def run_tune(
     n_trials: int | None = None,
     timeout: float | None = None,
     show_progress: bool = True,
+    deadline: float | None = None,
 ) -> TuneOutcome:
     """Tune until `n_trials` more trials ran in this process, or, without it, until the study
     holds the config's trial budget of finished trials (counted over all workers). An estimated
-    study then measures its `confirm_top` best trials for real in the config's measured study."""
+    study then measures its `confirm_top` best trials for real in the config's measured study.
+    With `deadline` (a `time.monotonic()` instant), no trial starts after it, however long the
+    model load and the cost model's timing took before the first."""
     from hf_selfspec.layer_skip import decoder_layers
     from hf_selfspec.profiles import device_profile_key
     from hf_selfspec.strategies import available_strategies
@@ -268,9 +273,11 @@ def run_tune(
             objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker, floor)
         else:
             objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
-        this_run = _optimize(
-            study, objective, n_trials, timeout if timeout is not None else config.study.timeout, callbacks, show_progress
-        )
+        timeout = timeout if timeout is not None else config.study.timeout
+        if deadline is not None:
+            # At least a moment: Optuna checks its timeout after a trial, so one trial still runs.
+            timeout = min(timeout or math.inf, max(deadline - time.monotonic(), 1.0))
+        this_run = _optimize(study, objective, n_trials, timeout, callbacks, show_progress)
     outcome = TuneOutcome(study, storage_url, this_run)
     if estimated and config.study.confirm_top:
         measuring = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)

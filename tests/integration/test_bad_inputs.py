@@ -71,6 +71,7 @@ STORAGE_COMMANDS = {
     "export": ["export", "--study", "s", "--output", "out", "--storage", "{}"],
     "dashboard": ["dashboard", "--storage", "{}"],
     "quickstart": ["quickstart", "--output", "out", "--storage", "{}"],
+    "optimize": ["optimize", "--model", "embedded", "--output", "out", "--storage", "{}"],
 }
 BAD_FILES = {"missing": "no-such-file.json", "directory": "a-directory", "binary": "binary.bin"}
 BAD_STORAGES = {
@@ -93,8 +94,8 @@ def test_every_command_refuses_a_bad_file_in_one_line(workspace, capsys, command
 @pytest.mark.parametrize("kind", BAD_STORAGES)
 @pytest.mark.parametrize("command", STORAGE_COMMANDS)
 def test_every_command_refuses_a_bad_storage_in_one_line(workspace, capsys, command, kind):
-    if kind == "missing" and command in ("tune --storage", "quickstart"):
-        pytest.skip("tune and quickstart create their storage")
+    if kind == "missing" and command in ("tune --storage", "quickstart", "optimize"):
+        pytest.skip("tune, quickstart and optimize create their storage")
     before = _files_under(workspace)
     argv = [arg.format(BAD_STORAGES[kind]) for arg in STORAGE_COMMANDS[command]]
     _fails_in_one_line(capsys, argv, "storage")

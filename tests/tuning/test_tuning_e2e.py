@@ -27,14 +27,6 @@ N_TRIALS = 4
 N_PROMPTS = 2
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """The tiny model decodes fastest on one thread, and tests share two cores with others."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.fixture(scope="module")
 def tuned(tiny_llama_dir, tmp_path_factory, one_thread):

@@ -1,0 +1,193 @@
+"""`hf-selfspec optimize` end to end on the tiny model, its resumption, the ranges it derives from a
+model's shape and costs, its refusals, and `tune --model` without a study TOML."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from hf_selfspec.cli import main
+from hf_selfspec.loading import load_model_and_tokenizer
+from hf_selfspec.profiles import read_profiles, read_profiles_file
+from hf_selfspec.tuning import optimize as optimize_module
+from hf_selfspec.tuning.config import load_study_config
+from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
+from hf_selfspec.tuning.optimize import STAGES, STATE_FILE, STUDY_FILE, WORK_DIR, adapter_plan, corpus_plan
+
+# Minutes: enough on the tiny model for every stage, the adapter included, to do some work.
+BUDGET = "1"
+
+
+
+def _optimize(model_dir, output, *extra):
+    return main(["optimize", "--model", str(model_dir), "--output", str(output), "--budget", BUDGET, "--no-progress",
+                 *map(str, extra)])
+
+
+def _state(output) -> dict:
+    return json.loads((output / WORK_DIR / STATE_FILE).read_text())
+
+
+@pytest.fixture(scope="module")
+def optimized(tiny_llama_dir, tmp_path_factory, one_thread):
+    """A run killed in its last stage (an error raised there), then the rerun that finishes it."""
+    directory = tmp_path_factory.mktemp("optimize")
+    output = directory / "out"
+    patch = pytest.MonkeyPatch()
+    patch.setenv("HF_SELFSPEC_CACHE", str(directory / "cache"))
+
+    def killed(run):
+        raise KeyboardInterrupt  # as a Ctrl-C or a kill would end it, mid-stage
+
+    patch.setattr(optimize_module, "_export", killed)
+    interrupted = _optimize(tiny_llama_dir, output)
+    state_after_kill = _state(output)
+    patch.undo()
+    patch.setenv("HF_SELFSPEC_CACHE", str(directory / "cache"))
+    yield SimpleNamespace(output=output, interrupted=interrupted, state_after_kill=state_after_kill,
+                          model_dir=tiny_llama_dir, patch=patch)
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def finished(optimized):
+    status = _optimize(optimized.model_dir, optimized.output)
+    return SimpleNamespace(**vars(optimized), status=status)
+
+
+def test_a_killed_run_keeps_its_finished_stages(optimized):
+    assert optimized.interrupted == 130
+    assert list(optimized.state_after_kill["stages"]) == list(STAGES[:-1])
+    assert not (optimized.output / "generation_config.json").exists()
+
+
+def test_the_rerun_finishes_only_what_was_left(finished, monkeypatch, capsys):
+    assert finished.status == 0
+    state = _state(finished.output)
+    assert list(state["stages"]) == list(STAGES)
+    # Finished stages kept their records: nothing before export ran again.
+    for stage in STAGES[:-1]:
+        assert state["stages"][stage] == finished.state_after_kill["stages"][stage]
+    assert state["spent_seconds"] > finished.state_after_kill["spent_seconds"]
+
+
+def test_it_writes_a_loadable_profile_and_a_rerunnable_study(finished):
+    output = finished.output
+    config = output / "generation_config.json"
+    profiles = read_profiles_file(config)
+    assert list(profiles) == ["cpu/float32"]
+    profile = profiles["cpu/float32"]
+    assert profile.measured["trial"] == _state(output)["stages"]["confirm"]["winner"]
+    assert (output / profile.params["lookup_corpus"]).is_file()  # the corpus travels with the config
+    if profile.params["draft_adapter"]:
+        assert (output / profile.params["draft_adapter"]).is_file()
+    model, _ = load_model_and_tokenizer(str(finished.model_dir), generation_config=config)
+    assert read_profiles(model.generation_config)["cpu/float32"].params == profile.params
+    study = load_study_config(output / STUDY_FILE)
+    assert study.search.lookup_corpus  # the corpus the study tuned with
+    assert study.study.objective == "estimated"
+    assert study.prompts.source == "workload"
+
+
+def test_a_finished_run_is_not_run_again(finished, monkeypatch, capsys):
+    for stage in STAGES:
+        monkeypatch.setattr(optimize_module, f"_{stage}", lambda run: pytest.fail("a finished stage ran again"))
+    assert _optimize(finished.model_dir, finished.output) == 0
+    out = capsys.readouterr().out
+    assert out.count("done in an earlier run") == len(STAGES)
+    assert "vs lookup" in out and "overall" in out
+
+
+def test_a_run_for_another_model_into_the_same_output_is_refused(finished, tmp_path, capsys):
+    other = tmp_path / "other-model"
+    other.mkdir()
+    assert _optimize(other, finished.output) == 2
+    assert "another model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--model", "/no/such/model", "--output", "{tmp}/out"], "no such directory"),
+        (["--model", "{model}", "--output", "{tmp}/out", "--budget", "0"], "positive number of minutes"),
+        (["--model", "{model}", "--output", "{tmp}/file"], "is a file"),
+    ],
+)
+def test_bad_inputs_fail_in_one_line(arguments, message, tiny_llama_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    filled = [a.format(tmp=tmp_path, model=tiny_llama_dir) for a in arguments]
+    assert main(["optimize", *filled]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_ranges_follow_the_shape_and_the_verification_cost():
+    # A device where verifying 16 tokens costs about one (a GPU), and one where it grows linearly.
+    flat = {1: 1.0, 2: 1.0, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.6}
+    linear = {width: float(width) for width in (1, 2, 4, 8, 16, 32)}
+    deep_wide = derive_space(32, 128_000, flat)
+    shallow_small = derive_space(6, 4096, linear)
+    assert deep_wide.ranges["max_draft_tokens"][1] > shallow_small.ranges["max_draft_tokens"][1]
+    assert deep_wide.ranges["prompt_lookup_tokens"][1] > shallow_small.ranges["prompt_lookup_tokens"][1]
+    assert deep_wide.ranges["draft_alternatives"][1] > 0 == shallow_small.ranges["draft_alternatives"][1]
+    assert deep_wide.ranges["draft_vocab_size"] == (0, 64_000)  # a big head is worth restricting
+    assert shallow_small.ranges["draft_vocab_size"] == (0, 0)
+    assert deep_wide.exit_layers == (1, 4) and shallow_small.exit_layers == (1,)
+    assert len(deep_wide.warm_start_skip_ratios) > len(shallow_small.warm_start_skip_ratios)
+    for space in (deep_wide, shallow_small):
+        low, high = space.ranges["max_draft_tokens"]
+        assert 1 <= low < high  # always something to search
+    with pytest.raises(ValueError, match="width 1"):
+        derive_space(8, 1000, {2: 1.0})
+
+
+def test_exit_layers_stay_inside_the_model():
+    assert adapter_exit_layers(2) == (1,)
+    assert adapter_exit_layers(30) == (1, 4)
+    assert all(layer < 80 for layer in adapter_exit_layers(80))
+
+
+def test_budgets_size_the_corpus_and_the_adapter():
+    small, large = corpus_plan(10, 0.01), corpus_plan(600, 0.01)
+    assert small["self_prompted"] >= 1 and large["self_prompted"] > small["self_prompted"]
+    assert "stdlib_functions" in large
+    plan, reason = adapter_plan(5, 0.5, (1, 4))
+    assert plan == {} and "skipped" in reason and "--budget" in reason
+    plan, reason = adapter_plan(600, 0.1, (1, 4))
+    assert plan["steps"] >= optimize_module.MIN_ADAPTER_STEPS and plan["stdlib_tokens"] > 0
+
+
+def test_tune_with_a_model_and_no_study_file(tiny_llama_dir, tmp_path, capsys, one_thread):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    status = main(["tune", "--model", str(tiny_llama_dir), "--storage", storage, "--n-trials", "2", "--no-progress",
+                   "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert f"default:{tiny_llama_dir.name}" in out and "best estimate" in out
+
+
+def test_tune_needs_a_study_or_a_model(capsys):
+    assert main(["tune"]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monkeypatch, one_thread):
+    """Where the budget pays for training (here: the floor lowered), the adapter stage trains the
+    derived exit layers and the study chooses among them; stopped before confirming, to stay short."""
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(optimize_module, "MIN_ADAPTER_STEPS", 1)
+    monkeypatch.setattr(optimize_module, "_MAX_ADAPTER_STEPS", 2)
+    monkeypatch.setattr(optimize_module, "_MAX_STDLIB_TOKENS", 2048)
+
+    def stop(run):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(optimize_module, "_confirm", stop)
+    assert _optimize(tiny_llama_dir, tmp_path / "out") == 130
+    stages = _state(tmp_path / "out")["stages"]
+    assert list(stages["adapter"]["agreement"]) == ["1"]  # adapter_exit_layers(4)
+    study = load_study_config(tmp_path / "out" / STUDY_FILE)
+    assert study.search.strategy == "kangaroo"
+    assert list(study.search.draft_adapters.values()) == list(stages["adapter"]["adapters"].values())

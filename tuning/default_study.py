@@ -1,0 +1,198 @@
+"""A study for a model nobody wrote one for: search ranges from the model's shape and the measured
+cost of verifying several tokens at once.
+
+What pays in speculative decoding depends on two things a tuner can read off any model and device:
+how many layers there are to skip or exit after, and how much more a verification of `w` tokens
+costs than one of a single token. Where a wide verification is nearly free (a GPU, a large model
+on a CPU with matrix units) long drafts and long lookups pay; where it costs `w` times as much,
+only short ones can. Nothing here is tuned to one model: every range follows from those inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from hf_selfspec.cache import DraftAwareCache, cache_keyword
+from hf_selfspec.measure import timed
+from hf_selfspec.prompts import TUNE_SPLIT, WORKLOAD, read_jsonl_prompts
+
+from .config import DEFAULT_N_PROMPTS, PromptConfig, SearchConfig, StudyConfig, StudySettings
+from .knobs import strategy_knobs
+from .toml_reader import ModelConfig
+
+# Verification widths timed on the device; the draft and lookup ranges reach the widest of them
+# whose verification still costs at most `_AFFORDABLE_VERIFY_RATIO` times a single token's.
+VERIFY_WIDTHS = (1, 2, 4, 8, 16, 32)
+_AFFORDABLE_VERIFY_RATIO = 2.0
+# Verifying runner-ups multiplies the width: searched only where a width this wide is that cheap.
+_ALTERNATIVES_WIDTH = 16
+_PREFIX_TOKENS = 64
+_TIMING_ROUNDS = 3
+# Below this vocabulary the LM head is a small part of a draft step, so restricting it is not searched.
+_SMALL_VOCABULARY = 8192
+DEFAULT_NEW_TOKENS = 64
+# Best estimates measured by real decoding; the best of those on held-out prompts is exported.
+CONFIRM_TOP = 2
+
+
+@dataclass(frozen=True)
+class DerivedSpace:
+    """Search ranges by knob name, the warm-start skip ratios, the exit layers an adapter is
+    trained for, and why, in words."""
+
+    ranges: dict[str, tuple[float, float]]
+    warm_start_skip_ratios: tuple[float, ...]
+    exit_layers: tuple[int, ...]
+    reasons: tuple[str, ...]
+
+
+def affordable_width(verify_seconds: Mapping[int, float]) -> int:
+    """The widest timed verification costing at most `_AFFORDABLE_VERIFY_RATIO` single ones."""
+    single = verify_seconds[1]
+    return max(width for width, seconds in verify_seconds.items() if seconds <= _AFFORDABLE_VERIFY_RATIO * single)
+
+
+def adapter_exit_layers(num_layers: int) -> tuple[int, ...]:
+    """Layer 1 (the cheapest draft) and about an eighth of the depth (a draft that still agrees
+    with the model often), distinct and below the last layer."""
+    deeper = max(1, round(num_layers / 8))
+    return tuple(sorted({layer for layer in (1, deeper) if layer < num_layers}))
+
+
+def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, float]) -> DerivedSpace:
+    """The search space for a model of `num_layers` decoder layers and `vocab_size` tokens whose
+    verification of `w` tokens takes `verify_seconds[w]` (width 1 must be among them)."""
+    if num_layers < 2 or vocab_size < 2 or 1 not in verify_seconds:
+        raise ValueError(
+            f"need at least 2 layers, 2 tokens and a timing at width 1, got {num_layers}, {vocab_size}, "
+            f"{sorted(verify_seconds)}"
+        )
+    width = affordable_width(verify_seconds)
+    draft = max(2, min(width - 1, 16))
+    lookup = max(2, min(width - 1, 24))
+    alternatives_ratio = verify_seconds.get(_ALTERNATIVES_WIDTH, math.inf) / verify_seconds[1]
+    alternatives = 2 if alternatives_ratio <= _AFFORDABLE_VERIFY_RATIO else 0
+    head = 0 if vocab_size <= _SMALL_VOCABULARY else vocab_size // 2
+    ratios = (0.25, 0.5) if num_layers < 8 else (0.25, 0.4, 0.5)
+    exits = adapter_exit_layers(num_layers)
+    ranges: dict[str, tuple[float, float]] = {
+        "max_draft_tokens": (1, draft),
+        "prompt_lookup_tokens": (1, lookup),
+        "prompt_lookup_min_ngram": (1, 2),
+        "prompt_lookup_ngram": (2, 4),
+        "draft_source_probe_interval": (0, 16),
+        "draft_vocab_size": (0, head),
+        "draft_alternatives": (0, alternatives),
+        "backoff_probe_interval": (0, 32),
+    }
+    reasons = (
+        f"a verification of {width} tokens costs at most {_AFFORDABLE_VERIFY_RATIO:g}x one token's, so drafts "
+        f"up to {draft} and lookups up to {lookup} tokens are searched",
+        "runner-up alternatives are searched: wide verifications are cheap"
+        if alternatives
+        else "runner-up alternatives are not searched: they widen verifications that are not cheap here",
+        f"draft_vocab_size up to {head} of {vocab_size} tokens"
+        if head
+        else f"the draft keeps its whole head: a vocabulary of {vocab_size} is small",
+        f"adapters exit after layer(s) {', '.join(map(str, exits))} of {num_layers}: the first layer is the "
+        "cheapest draft, about an eighth of the depth one that agrees more often",
+    )
+    return DerivedSpace(ranges, ratios, exits, reasons)
+
+
+@torch.inference_mode()
+def time_verification(model, widths: tuple[int, ...] = VERIFY_WIDTHS) -> dict[int, float]:
+    """Median seconds of one forward pass over `w` new tokens after a short prefix, per width,
+    in the model's own dtype; widths are timed round-robin so drift spreads over all of them."""
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    text = torch.randint(vocab_size, (1, _PREFIX_TOKENS + max(widths)), generator=generator).to(model.device)
+    cache = DraftAwareCache(model.config)
+    model(text[:, :_PREFIX_TOKENS], **cache_keyword(cache), use_cache=True)
+    rounds: dict[int, list[float]] = {width: [] for width in widths}
+    for _ in range(_TIMING_ROUNDS + 1):  # the first round warms up, uncounted
+        for width in widths:
+            new_tokens = text[:, _PREFIX_TOKENS : _PREFIX_TOKENS + width]
+            _, seconds = timed(partial(model, new_tokens, **cache_keyword(cache), use_cache=True), model.device)
+            rounds[width].append(seconds)
+            cache.rollback(_PREFIX_TOKENS)
+    return {width: statistics.median(seconds[1:]) for width, seconds in rounds.items()}
+
+
+def default_prompts(source: str | None, max_new_tokens: int = DEFAULT_NEW_TOKENS) -> PromptConfig:
+    """The tune split of the general workload, one prompt per category (so every kind of text
+    counts, in little time); or, from a JSONL file, its tune split if it marks one, else its first
+    prompts."""
+    if source is None:
+        return PromptConfig(source=WORKLOAD, split=TUNE_SPLIT, per_category=1, max_new_tokens=max_new_tokens)
+    marked = any(prompt.split == TUNE_SPLIT for prompt in read_jsonl_prompts(source))
+    return PromptConfig(
+        source=str(Path(source).resolve()),
+        n_prompts=DEFAULT_N_PROMPTS,
+        split=TUNE_SPLIT if marked else None,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def objective_for(model) -> str:
+    """Estimated where the estimate can run on this architecture (many trials for the time of a
+    few), measured where it cannot."""
+    from .estimate import check_supported
+
+    try:
+        check_supported(model)
+    except ValueError:
+        return "measured"
+    return "estimated"
+
+
+def default_study_config(
+    model: ModelConfig,
+    space: DerivedSpace,
+    prompts: PromptConfig,
+    *,
+    name: str,
+    objective: str,
+    storage: str | None = None,
+    draft_adapters: Mapping[str, str] | None = None,
+    lookup_corpus: str = "",
+) -> StudyConfig:
+    """A study over `space` (estimated ones have their best estimates confirmed by real decoding):
+    the layer-skip draft, or, given trained adapters, Kangaroo choosing among them; prompt lookup
+    always on, into `lookup_corpus` if there is one."""
+    strategy = "kangaroo" if draft_adapters else "self_speculative"
+    knobs = strategy_knobs(strategy)
+    return StudyConfig(
+        model=model,
+        prompts=prompts,
+        search=SearchConfig(
+            strategy=strategy,
+            ranges={knob: span for knob, span in space.ranges.items() if knob in knobs},
+            warm_start_skip_ratios=space.warm_start_skip_ratios,
+            draft_adapters=dict(draft_adapters or {}),
+            lookup_corpus=lookup_corpus,
+        ),
+        study=StudySettings(name=name, storage=storage, objective=objective, confirm_top=CONFIRM_TOP, seed=0),
+    )
+
+
+def study_for_model(model: ModelConfig, storage: str | None = None, prompts: str | None = None) -> StudyConfig:
+    """The study `tune --model` runs: the defaults `optimize` tunes with, measured on this device,
+    without a lookup corpus or an adapter (neither exists yet for a model without a study)."""
+    from hf_selfspec.layer_skip import decoder_layers
+
+    loaded, _ = model.load()
+    space = derive_space(
+        len(decoder_layers(loaded)), loaded.get_output_embeddings().weight.shape[0], time_verification(loaded)
+    )
+    objective = objective_for(loaded)
+    del loaded
+    return default_study_config(model, space, default_prompts(prompts), name=f"default:{Path(model.name).name}",
+                                objective=objective, storage=storage)

@@ -1,0 +1,414 @@
+"""`hf-selfspec optimize`: from a model to a tuned profile in one command, within a time budget.
+
+Stages, each recorded in `OUTPUT/work/optimize.json` when it finishes, so that a run killed at any
+point resumes at the stage it was in (whose own work resumes too: generated text and training
+checkpoints live in the user cache, trials in the study's SQLite file beside the state):
+
+  measure  the model's shape, the cost of a verification at several widths, seconds per token
+  corpus   a lookup corpus of text the model writes itself, sized to its share of the budget
+  adapter  a Kangaroo draft adapter, if its share of the budget pays for enough training steps
+  tune     an estimated study over ranges derived from the measurements (`default_study`)
+  confirm  the best trials, plain and transformers' prompt lookup, decoded on held-out prompts
+  export   the held-out winner as `OUTPUT/generation_config.json`, with its adapter and corpus
+
+The budget is wall time across runs: each finished stage adds what it took to the state, and
+each stage sizes its work (tokens to write, steps to train, the tuner's timeout, prompts to
+decode) to its share of what is left, from the timings of the measure stage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from hf_selfspec.inputs import InputError, output_directory
+from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD, read_jsonl_prompts
+
+from . import TuningError
+from .default_study import (
+    CONFIRM_TOP,
+    DerivedSpace,
+    default_prompts,
+    default_study_config,
+    derive_space,
+    objective_for,
+    time_verification,
+)
+from .storage import resolve_storage_url
+from .study_toml import model_entries, study_toml, toml_tables
+from .toml_reader import ModelConfig
+
+STATE_FILE = "optimize.json"
+STUDY_FILE = "study.toml"
+WORK_DIR = "work"
+STAGES = ("measure", "corpus", "adapter", "tune", "confirm", "export")
+# Each stage's share of the whole budget; the tuner takes whatever the others leave.
+SHARES = {"corpus": 0.15, "adapter": 0.25, "confirm": 0.15}
+# Tokens per self-prompted request and answer, and per continued function. A request kept costs
+# several sampled candidates (some run out of tokens unfinished, some are judged unusable).
+_REQUEST_TOKENS, _ANSWER_TOKENS, _CONTINUATION_TOKENS = 64, 128, 128
+_CANDIDATES_PER_REQUEST = 4
+_CHUNK_TOKENS, _BATCH_CHUNKS = 256, 4
+# A training step runs the adapter's block and the head forward and back: counted as three of
+# the model's forward passes over a batch's tokens through the whole model, to stay on the safe side.
+_STEP_FORWARDS = 3
+MIN_ADAPTER_STEPS = 100
+_MAX_ADAPTER_STEPS = 2000
+_MAX_STDLIB_TOKENS = 100_000
+_MAX_CONFIRM_PER_CATEGORY = 4
+
+
+@dataclass(frozen=True)
+class OptimizeRequest:
+    model: ModelConfig
+    output: Path
+    budget_seconds: float
+    prompts: str | None = None  # a JSONL file to tune on instead of the workload
+    storage: str | None = None
+    show_progress: bool = True
+
+    @property
+    def work(self) -> Path:
+        return self.output / WORK_DIR
+
+
+@dataclass
+class _Run:
+    """The state file's contents, and the clock of this run."""
+
+    request: OptimizeRequest
+    state: dict[str, Any]
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def stages(self) -> dict[str, Any]:
+        return self.state["stages"]
+
+    def remaining(self) -> float:
+        return self.request.budget_seconds - self.state["spent_seconds"] - (time.monotonic() - self.started)
+
+    def share(self, stage: str) -> float:
+        return min(SHARES[stage] * self.request.budget_seconds, max(self.remaining(), 0.0))
+
+    def finish(self, stage: str, result: dict[str, Any]) -> None:
+        now = time.monotonic()
+        self.state["spent_seconds"] += now - self.started
+        self.started = now
+        self.stages[stage] = result
+        _write_json(self.request.work / STATE_FILE, self.state)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    temporary.replace(path)  # a kill never leaves half a state file
+
+
+def check_request(request: OptimizeRequest) -> OptimizeRequest:
+    """Refuse what would only fail after minutes of work."""
+    if not request.budget_seconds > 0:
+        raise TuningError(f"--budget {request.budget_seconds / 60:g}: give a positive number of minutes")
+    try:
+        output_directory(request.output, "--output")
+    except InputError as error:
+        raise TuningError(str(error)) from None
+    if request.prompts is not None:
+        read_jsonl_prompts(request.prompts)  # a PromptFileError names the file and line
+    if request.storage is not None:
+        resolve_storage_url(request.storage)
+    return request
+
+
+def _load_state(request: OptimizeRequest) -> dict[str, Any]:
+    path = request.work / STATE_FILE
+    recipe = {**model_entries(request.model), "prompts": request.prompts}
+    if not path.is_file():
+        request.work.mkdir(parents=True, exist_ok=True)
+        return {"recipe": recipe, "spent_seconds": 0.0, "stages": {}}
+    state = json.loads(path.read_text(encoding="utf-8"))
+    if state["recipe"] != recipe:
+        raise TuningError(
+            f"--output {request.output} holds an optimize run of another model or prompts ({state['recipe']}); "
+            "give another --output, or delete it to start over"
+        )
+    return state
+
+
+def run_optimize(request: OptimizeRequest) -> str:
+    """Run (or resume) every stage; returns the closing table."""
+    check_request(request)
+    run = _Run(request, _load_state(request))
+    steps: dict[str, Callable[[_Run], dict[str, Any]]] = {
+        "measure": _measure, "corpus": _corpus, "adapter": _adapter, "tune": _tune, "confirm": _confirm,
+        "export": _export,
+    }
+    for number, stage in enumerate(STAGES, start=1):
+        if stage in run.stages:
+            print(f"{number}/{len(STAGES)}  {stage}: done in an earlier run", flush=True)
+            continue
+        print(f"{number}/{len(STAGES)}  {stage} ({max(run.remaining(), 0) / 60:.1f} min of the budget left)", flush=True)
+        run.finish(stage, steps[stage](run))
+    return format_table(run.stages["confirm"], run.stages["export"])
+
+
+def _space(run: _Run) -> DerivedSpace:
+    measured = run.stages["measure"]
+    verify = {int(width): seconds for width, seconds in measured["verify_seconds"].items()}
+    return derive_space(measured["num_layers"], measured["vocab_size"], verify)
+
+
+def _measure(run: _Run) -> dict[str, Any]:
+    """The model's shape, and what one token and one verification cost, timed once for every
+    stage's sizing (and kept, so a resumed run sizes the same way)."""
+    import torch
+
+    from hf_selfspec.layer_skip import decoder_layers
+    from hf_selfspec.measure import timed, timed_generate
+    from hf_selfspec.prompts import encode_prompt, load_prompts
+
+    model, tokenizer = run.request.model.load()
+    prompt = encode_prompt(tokenizer, load_prompts(WORKLOAD, 1)[0])
+    kwargs = {"strategy": "plain", "do_sample": False, "max_new_tokens": 16, "pad_token_id": tokenizer.pad_token_id}
+    timed_generate(model, prompt, **kwargs)  # warm-up
+    decode = timed_generate(model, prompt, **kwargs)
+    batch = torch.zeros((_BATCH_CHUNKS, _CHUNK_TOKENS), dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        forward = [timed(lambda: model(batch, use_cache=False), model.device)[1] for _ in range(2)]
+    batch_seconds = forward[-1]  # the first pays for warming up
+    result = {
+        "num_layers": len(decoder_layers(model)),
+        "vocab_size": model.get_output_embeddings().weight.shape[0],
+        "verify_seconds": time_verification(model),
+        "seconds_per_token": decode.seconds / max(len(decode.new_tokens), 1),
+        "batch_forward_seconds": batch_seconds,
+        "objective": objective_for(model),
+    }
+    space = derive_space(result["num_layers"], result["vocab_size"], result["verify_seconds"])
+    for reason in space.reasons:
+        print(f"     {reason}", flush=True)
+    return result
+
+
+def corpus_plan(seconds: float, seconds_per_token: float) -> dict[str, int]:
+    """The [corpus] counts that make the model write for about `seconds`: half on conversations it
+    prompts itself (the workload's kinds of text), half on standard-library functions it continues
+    (code); at least one conversation."""
+    half = seconds / 2 / seconds_per_token  # tokens the model writes in half the time
+    plan = {
+        "self_prompted": max(1, int(half / (_ANSWER_TOKENS + _CANDIDATES_PER_REQUEST * _REQUEST_TOKENS))),
+        "max_request_tokens": _REQUEST_TOKENS,
+        "answer_tokens": _ANSWER_TOKENS,
+    }
+    functions = int(half / _CONTINUATION_TOKENS)
+    if functions:
+        plan.update(generated_tokens=_CONTINUATION_TOKENS, stdlib_functions=functions)
+    return plan
+
+
+def _corpus(run: _Run) -> dict[str, Any]:
+    from .write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
+
+    measured = run.stages["measure"]
+    # The adapter's standard-library text is part of [corpus], and the model's text is generated
+    # once for every command given the same [corpus]: so the adapter's share is planned here too.
+    adapter, _ = adapter_plan(
+        SHARES["adapter"] * run.request.budget_seconds, measured["batch_forward_seconds"], _space(run).exit_layers
+    )
+    table = {
+        "stdlib_tokens": adapter.get("stdlib_tokens", 0),
+        "chunk_tokens": _CHUNK_TOKENS,
+        **corpus_plan(run.share("corpus"), measured["seconds_per_token"]),
+    }
+    path = run.request.work / "lookup-corpus.toml"
+    path.write_text(
+        toml_tables({
+            "model": model_entries(run.request.model),
+            "corpus": table,
+            "output": {"name": "lookup-corpus", "output_dir": "."},
+        }),
+        encoding="utf-8",
+    )
+    written, description = run_write_lookup_corpus(load_lookup_corpus_config(path), run.request.show_progress)
+    print(f"     {describe_result(written, description)}", flush=True)
+    return {"corpus": str(written), "table": table}
+
+
+def adapter_plan(seconds: float, batch_forward_seconds: float, exit_layers: tuple[int, ...]) -> tuple[dict[str, int], str]:
+    """Training steps and standard-library tokens that fit in `seconds` (a third for the teacher's
+    pass over the corpus, the rest for training each exit layer), or no plan and why not."""
+    step_seconds = _STEP_FORWARDS * batch_forward_seconds
+    batch_tokens = _CHUNK_TOKENS * _BATCH_CHUNKS
+    stdlib_tokens = min(_MAX_STDLIB_TOKENS, int(seconds / 3 / batch_forward_seconds * batch_tokens))
+    steps = min(_MAX_ADAPTER_STEPS, int(seconds * 2 / 3 / step_seconds / len(exit_layers)))
+    if steps < MIN_ADAPTER_STEPS:
+        return {}, (
+            f"skipped: {seconds / 60:.1f} min pays for {steps} training steps per exit layer "
+            f"({step_seconds:.2f} s each), fewer than the {MIN_ADAPTER_STEPS} an adapter needs; give a larger --budget"
+        )
+    return {"steps": steps, "stdlib_tokens": stdlib_tokens}, f"{steps} steps per exit layer"
+
+
+def _adapter(run: _Run) -> dict[str, Any]:
+    from .train_adapter import describe_result, load_train_config, run_train_adapter
+
+    measured = run.stages["measure"]
+    space = _space(run)
+    plan, reason = adapter_plan(run.share("adapter"), measured["batch_forward_seconds"], space.exit_layers)
+    print(f"     {space.reasons[-1]}", flush=True)
+    print(f"     adapter: {reason}", flush=True)
+    if not plan:
+        return {"adapters": {}, "reason": reason}
+    steps = plan["steps"]
+    path = run.request.work / "train-adapter.toml"
+    path.write_text(
+        toml_tables({
+            "model": model_entries(run.request.model),
+            "corpus": run.stages["corpus"]["table"],  # the corpus stage's, so its generated text is reused
+            "adapter": {"exit_layers": list(space.exit_layers), "output_dir": "."},
+            "training": {"steps": steps, "batch_chunks": _BATCH_CHUNKS, "eval_every": max(1, steps // 4),
+                         "checkpoint_every": max(1, steps // 10)},
+        }),
+        encoding="utf-8",
+    )
+    results = run_train_adapter(load_train_config(path), run.request.show_progress)
+    print(f"     {describe_result(results)}", flush=True)
+    return {"adapters": {p.stem: str(p) for _, p, _ in results}, "agreement": {str(e): a for e, _, a in results},
+            "reason": reason}
+
+
+def _study_config(run: _Run):
+    request = run.request
+    storage = request.storage or f"sqlite:///{(request.work / 'optuna.db').resolve()}"
+    name = f"optimize:{Path(request.model.name).name}"
+    return default_study_config(
+        request.model, _space(run), default_prompts(request.prompts), name=name,
+        objective=run.stages["measure"]["objective"], storage=storage,
+        draft_adapters=run.stages["adapter"]["adapters"], lookup_corpus=run.stages["corpus"]["corpus"],
+    )
+
+
+def _tune(run: _Run) -> dict[str, Any]:
+    from .config import load_study_config
+    from .study_prompts import select_study_prompts
+    from .tune import format_summary, run_tune
+
+    config = _study_config(run)
+    toml_path = run.request.output / STUDY_FILE
+    toml_path.write_text(study_toml(config, toml_path), encoding="utf-8")
+    config = load_study_config(toml_path)  # what a rerun of the TOML reads, checked now
+    print(f"     wrote {toml_path} (rerun it with `hf-selfspec tune {toml_path}`)", flush=True)
+    # No trial starts after the deadline, counted after the model load and the cost model's
+    # timing; the confirmation of the best estimates that follows is priced in plain decodes of
+    # the prompts (each confirmed trial decodes them twice: plainly and with the trial).
+    measured = run.stages["measure"]
+    plain_decode = len(select_study_prompts(config.prompts)) * config.prompts.max_new_tokens * measured["seconds_per_token"]
+    window = run.remaining() - SHARES["confirm"] * run.request.budget_seconds - 2 * CONFIRM_TOP * plain_decode
+    print(f"     tuning until {max(window, 0) / 60:.1f} min from now", flush=True)
+    outcome = run_tune(config, n_trials=None, show_progress=run.request.show_progress,
+                       deadline=time.monotonic() + window)
+    print(format_summary(outcome), flush=True)
+    if outcome.best is None:
+        raise TuningError("no trial completed in the tuning stage; give a larger --budget")
+    return {"storage": outcome.storage_url, "study": outcome.export_study.study_name,
+            "strategy": config.search.strategy}
+
+
+def _held_out(request: OptimizeRequest) -> str:
+    """Where the held-out prompts come from: the --prompts file if it marks a held-out split,
+    else the workload's."""
+    if request.prompts and any(p.split == HELD_OUT_SPLIT for p in read_jsonl_prompts(request.prompts)):
+        return str(Path(request.prompts).resolve())
+    return WORKLOAD
+
+
+def _confirm(run: _Run) -> dict[str, Any]:
+    """Decode plain, transformers' prompt lookup and the best measured trials, interleaved, on the
+    held-out prompts (as many per category as the budget pays for), greedily and checked."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from hf_selfspec.bench.contenders import BASELINE, HF_SELFSPEC, PROMPT_LOOKUP, TUNED, Contender, build_contenders
+    from hf_selfspec.bench.machine import machine_info
+    from hf_selfspec.bench.report import results_document
+    from hf_selfspec.bench.runner import measure
+    from hf_selfspec.consistency import DIVERGENT
+    from hf_selfspec.prompts import load_prompts
+    from hf_selfspec.strategies import available_strategies
+
+    from .categories import is_feasible
+    from .space import ADAPTER_PARAM, decode_params
+    from .study_prompts import prompts_by_category
+
+    tuned = run.stages["tune"]
+    config = _study_config(run)
+    study = optuna.load_study(study_name=tuned["study"], storage=tuned["storage"])
+    trials = sorted(
+        (t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if is_feasible(t)),
+        key=lambda t: t.value, reverse=True,
+    )[:CONFIRM_TOP]
+    groups = prompts_by_category(load_prompts(_held_out(run.request), split=HELD_OUT_SPLIT))
+    max_new_tokens = config.prompts.max_new_tokens
+    measured = run.stages["measure"]
+    # Per prompt: a reference decode, and a warm-up plus one timed decode of each contender.
+    per_prompt = (1 + 2 * (2 + len(trials))) * max_new_tokens * measured["seconds_per_token"]
+    per_category = max(1, min(_MAX_CONFIRM_PER_CATEGORY, int(run.share("confirm") / (per_prompt * len(groups)))))
+    prompts = [prompt for group in groups.values() for prompt in group[:per_category]]
+    print(f"     {len(prompts)} held-out prompts ({per_category} per category), {len(trials)} trial(s)", flush=True)
+
+    model, tokenizer = run.request.model.load()
+    contenders = [c for c in build_contenders(model, available_strategies()) if c.name in (BASELINE, PROMPT_LOOKUP)]
+    for trial in trials:
+        params = decode_params(trial.params, config.search.strategy, measured["num_layers"])
+        if ADAPTER_PARAM in trial.params:
+            params["draft_adapter"] = config.search.draft_adapters[trial.params[ADAPTER_PARAM]]
+        params["lookup_corpus"] = config.search.lookup_corpus
+        contenders.append(Contender(
+            f"trial {trial.number}", {"strategy": config.search.strategy, "do_sample": False, **params},
+            family=HF_SELFSPEC, params_label=TUNED,
+        ))
+    measurements = measure(model, tokenizer, prompts, contenders, max_new_tokens=max_new_tokens, repeats=1,
+                           progress=run.request.show_progress)
+    results = results_document(measurements, machine=machine_info(model), skip_sets={}, command={"optimize": True})
+    (run.request.work / "confirm.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    lossless = [c for c in results["contenders"]
+                if c["name"].startswith("trial ") and c["consistency"]["verdict"] != DIVERGENT]
+    if not lossless:
+        raise TuningError(f"no confirmed trial decoded the held-out prompts as plain does; see {run.request.work}/confirm.json")
+    winner = max(lossless, key=lambda c: c["speedup"]["median"])
+    return {"winner": int(winner["name"].removeprefix("trial ")), "results": _table_rows(results, winner["name"])}
+
+
+def _table_rows(results: dict[str, Any], winner: str) -> list[dict[str, Any]]:
+    """Per category, then overall: the speedups of lookup and of the winner, and their ratio."""
+    from hf_selfspec.bench.contenders import PROMPT_LOOKUP
+
+    def row(label: str, summaries: dict[str, Any]) -> dict[str, Any]:
+        return {"label": label, "lookup": summaries[PROMPT_LOOKUP]["speedup"]["median"],
+                "profile": summaries[winner]["speedup"]["median"],
+                "ratio_to_lookup": summaries[winner]["ratio_to_lookup"]["median"]}
+
+    rows = [row(name, block["contenders"]) for name, block in results["categories"].items()]
+    return rows + [row("overall", {c["name"]: c for c in results["contenders"]})]
+
+
+def _export(run: _Run) -> dict[str, Any]:
+    from .export import export_profile
+
+    tuned, winner = run.stages["tune"], run.stages["confirm"]["winner"]
+    result = export_profile(tuned["storage"], tuned["study"], run.request.output, trial_number=winner)
+    print(f"     wrote profile {result.key!r} ({result.profile.strategy}, trial {winner}) to {result.path}", flush=True)
+    return {"config": str(result.path), "trial": winner, "strategy": result.profile.strategy}
+
+
+def format_table(confirm: dict[str, Any], export: dict[str, Any]) -> str:
+    lines = [
+        f"Profile in {export['config']} ({export['strategy']}, trial {export['trial']}), held-out prompts, "
+        "speedup over plain greedy decoding:",
+        f"{'':<14}{'lookup':>10}{'profile':>10}{'vs lookup':>11}",
+    ]
+    for row in confirm["results"]:
+        lines.append(f"{row['label']:<14}{row['lookup']:>9.2f}x{row['profile']:>9.2f}x{row['ratio_to_lookup']:>10.2f}x")
+    return "\n".join(lines)
