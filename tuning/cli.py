@@ -354,10 +354,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     quickstart = subparsers.add_parser(
         "quickstart",
         help="tune the embedded model briefly, export the profile and generate with it",
-        description="The whole loop on the CPU in a few minutes: a short estimated tune of the embedded "
-        "SmolLM2-135M on two HumanEval prompts whose best trials are then measured by real decoding, an "
-        "export of the best one, then a held-out prompt decoded plainly, with the exported profile and with "
-        "the profile shipped in the package, each timed.",
+        description="The whole loop on the CPU: a short estimated tune of the embedded SmolLM2-135M (Kangaroo "
+        "with the shipped exit-1 adapters and prompt lookup into the shipped corpus) on one prompt per category "
+        "of the workload's tune split, whose best trials are then measured by real decoding, an export of the "
+        "best one, then a held-out workload prompt decoded plainly, with the exported profile and with the "
+        "profile shipped in the package, each timed.",
     )
     quickstart.add_argument(
         "--output",

@@ -5,7 +5,7 @@ draft token is accepted depends only on whether the draft predicts that known co
 One forward pass of the draft over the continuation yields every prediction at once. The decoding
 loop itself (`speculative_decode`) then runs over them with the strategy's own parts, the known
 tokens standing in for the full model's forward pass and the predictions for the model's draft,
-while a clock priced by a cost model, timed once per process, stands in for wall time: the
+while a clock priced by a cost model timed on this machine stands in for wall time: the
 counters are the ones a real decode reports, and a drafter, policy or adaptive rule added to the
 loop is estimated with no second description of it. A trial then costs one draft pass per
 prompt instead of two timed decodes, and its value carries no timing noise, which the sampler
@@ -20,7 +20,9 @@ branches. The draft's alternatives (`draft_alternatives`) are its runner-ups at 
 kept from the same pass. What is approximated: a layer-skip draft's second and later tokens
 read the KV of its own earlier draft tokens, here the full model's, and past a wrong token it
 is taken to go on with the next positions' teacher-forced guesses; logits processors are not
-applied; and the cost model is only as steady as the machine was while it was timed. So the
+applied; and the cost model is only as steady as the machine: it is timed in interleaved rounds
+so that a burst of load bends no price against another, and re-checked during the study
+(`CostModelWatch`), but a load that comes and goes between checks still moves it. So the
 estimate ranks trials; the top ones are then confirmed by real decoding (`confirm_top`), and
 only measured speedups are reported as such.
 """
@@ -29,9 +31,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -58,18 +61,44 @@ from .categories import CategorySpeedups
 from .config import SearchConfig
 from .objective import PreparedPrompt, begin_trial
 
-# Draft steps timed per calibration point, and rounds per timing. The median, not the minimum:
-# the estimate must match what decoding typically pays, not the machine's best moment.
+logger = logging.getLogger(__name__)
+
+# Draft steps timed per calibration point, and rounds of the interleaved timing. The median, not
+# the minimum: the estimate must match what decoding typically pays, not the machine's best moment.
 _CALIBRATION_TOKENS = 6
-_CALIBRATION_ROUNDS = 5
-# Two restricted-head sizes pin down the head's cost as a line in the number of rows it keeps.
+_CALIBRATION_ROUNDS = 7
+# Two restricted-head sizes pin down the head's cost as a line in the number of rows it keeps. A
+# head is cheap enough for one call to drown in the timer's noise: each timing spans several.
 _HEAD_SIZES = (2048, 16384)
-_HEAD_ROUNDS = 25
-_VERIFY_ROUNDS = 7
+_HEAD_CALLS = 4
+# The re-check during a study: every this many trials, the plain step and the widest verification
+# are timed again side by side, and the whole cost model is timed again when their ratio has moved
+# by more than the tolerance from the model's (the neighbours' load changed, and with it prices).
+_PROBE_EVERY = 10
+_PROBE_ROUNDS = 5
+_DRIFT_TOLERANCE = 0.15
+
+# Times one call of its argument, in seconds: the device's wall clock, or a test's simulation.
+Timer = Callable[[Callable[[], Any]], float]
 
 
-def _typical(run, device: torch.device, rounds: int = _CALIBRATION_ROUNDS) -> float:
-    return statistics.median(timed(run, device)[1] for _ in range(rounds))
+def device_timer(device: torch.device) -> Timer:
+    return lambda run: timed(run, device)[1]
+
+
+def interleaved_medians(runs: Mapping[Any, Callable[[], Any]], rounds: int, timer: Timer) -> dict[Any, float]:
+    """The median seconds of each run, timed in rounds that take every run once in turn.
+
+    Timed one after another, a run that happens to share the machine's busy minute carries all
+    of it while the others carry none, and the ratios between them, which are all an estimate
+    reads, come out bent. In rounds, a burst of load lands on one round of every run alike, and
+    the median of each drops that round.
+    """
+    timings: dict[Any, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            timings[name].append(timer(run))
+    return {name: statistics.median(seconds) for name, seconds in timings.items()}
 
 
 @dataclass(frozen=True)
@@ -167,9 +196,8 @@ def teacher_force(model, prompt: PreparedPrompt, max_new_tokens: int) -> Teacher
     reference = torch.tensor(prompt.reference_tokens, device=model.device)
     full_text = torch.cat([prompt_ids[0], reference])
     cache = DraftAwareCache()  # no windows: the draft pass reads back from every row
-    prefill_seconds = _typical(
-        lambda: (cache.rollback(0), _forward(model, prompt_ids, 0, cache, 1)), model.device, rounds=2
-    )
+    prefill = {"prefill": lambda: (cache.rollback(0), _forward(model, prompt_ids, 0, cache, 1))}
+    prefill_seconds = interleaved_medians(prefill, 2, device_timer(model.device))["prefill"]
     # The verifier's probabilities of its own tokens, for the gate: row j scores continuation token j.
     cache.rollback(length - 1)
     logits = _forward(model, full_text[None, length - 1 : -1], length - 1, cache, 0).logits[0]
@@ -179,6 +207,17 @@ def teacher_force(model, prompt: PreparedPrompt, max_new_tokens: int) -> Teacher
     )
 
 
+def verification_runs(model, data: TeacherForcedPrompt, widths: Sequence[int]) -> dict[int, Callable[[], Any]]:
+    """By width: one forward pass of the full model over that many tokens after `data`'s text,
+    rolled back after each, as a verification step runs it."""
+
+    def verify(tokens: int) -> None:
+        _forward(model, data.full_text[None, -tokens:], data.kv_length, data.cache, tokens)
+        data.cache.rollback(data.kv_length)
+
+    return {tokens: partial(verify, tokens) for tokens in widths}
+
+
 @torch.no_grad()
 def calibrate(
     model,
@@ -186,33 +225,20 @@ def calibrate(
     num_layers: int,
     max_verify_tokens: int,
     draft_adapters: Sequence[str] = (),
+    timer: Timer | None = None,
 ) -> CostModel:
-    """Time the verifier at every width, the draft at a few skip sets and each trained adapter's
-    draft, after the first prompt.
+    """Time the verifier at every width, the draft at a few skip sets, the LM head and each
+    trained adapter's draft, after the first prompt, all interleaved (`interleaved_medians`), so
+    that every price is relative to the same plain step under the same load.
 
     What the prompts' plain decodes spent beyond their prefill and one forward per token is the
     per-step overhead (the median, since the first decode of a process also pays its warm-up).
     """
+    timer = timer or device_timer(model.device)
     sample = prompts[0]
     cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
 
-    # Widths are timed round-robin, so drift in the machine's speed spreads over all of them
-    # instead of bending the curve.
-    rounds: list[list[float]] = [[] for _ in range(max_verify_tokens + 1)]
-    for _ in range(_VERIFY_ROUNDS):
-        for tokens in range(1, max_verify_tokens + 1):
-            _, seconds = timed(partial(_forward, model, text[None, -tokens:], kv_length, cache, tokens), model.device)
-            rounds[tokens].append(seconds)
-            cache.rollback(kv_length)
-    verify_seconds = (0.0, *(statistics.median(timings) for timings in rounds[1:]))
-    overheads = sorted(
-        (data.prompt.plain_seconds - data.prefill_seconds - (len(data.reference) - 1) * verify_seconds[1])
-        / len(data.reference)
-        for data in prompts
-        if len(data.reference) > 1
-    )
-
-    def seconds_per_draft_token(drafter: Drafter, cache: DraftAwareCache) -> float:
+    def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
         sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
         sequence[0, : kv_length + 1] = text
         state = DecodingState(sequence, torch.arange(sequence.shape[1], device=text.device)[None], kv_length + 1)
@@ -224,13 +250,12 @@ def calibrate(
             drafter.rollback(kv_length)
 
         run()  # untimed: an adapter's first draft also takes in the committed text
-        return _typical(run, model.device) / _CALIBRATION_TOKENS
+        return run
 
-    def skipping(attn_skip: Sequence[int], mlp_skip: Sequence[int]) -> float:
-        drafter = LayerSkipDrafter(model, cache, SkippingDecoder(model, attn_skip, mlp_skip))
-        return seconds_per_draft_token(drafter, cache)
+    def skipping(attn_skip: Sequence[int], mlp_skip: Sequence[int]) -> Callable[[], None]:
+        return draft_run(LayerSkipDrafter(model, cache, SkippingDecoder(model, attn_skip, mlp_skip)), cache)
 
-    def adapter_draft(path: str) -> float:
+    def adapter_draft(path: str) -> Callable[[], None]:
         # A prefill of its own handed to the drafter, so that the adapter's attention spans the
         # committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
         own_cache = DraftAwareCache(model.config)
@@ -239,20 +264,36 @@ def calibrate(
         prefill = _forward(model, text[None, :kv_length], 0, own_cache, 1, output_hidden_states=[layer])
         drafter.verified(prefill.hidden_states[layer])
         drafter.rollback(kv_length)
-        return seconds_per_draft_token(drafter, own_cache)
+        return draft_run(drafter, own_cache)
 
-    all_but_first = tuple(range(1, num_layers))
-    full = skipping((), ())
-    one_attention = skipping(all_but_first, ())
-    one_mlp = skipping((), all_but_first)
     # The head alone, timed directly: its share of a draft step is too small to read off
     # whole-step timings through their noise.
     hidden = torch.zeros((1, model.config.hidden_size), dtype=model.dtype, device=text.device)
-    full_head = _typical(lambda: model.get_output_embeddings()(hidden), model.device, rounds=_HEAD_ROUNDS)
-    small_head, large_head = (
-        _typical(partial(RestrictedDraftHead(model, size, text[:1]), hidden), model.device, rounds=_HEAD_ROUNDS)
-        for size in _HEAD_SIZES
+
+    def head_run(head: Callable[[torch.Tensor], Any]) -> Callable[[], None]:
+        return lambda: [head(hidden) for _ in range(_HEAD_CALLS)]
+
+    all_but_first = tuple(range(1, num_layers))
+    runs: dict[Any, Callable[[], Any]] = {
+        **verification_runs(model, sample, range(1, max_verify_tokens + 1)),
+        "full": skipping((), ()),
+        "one attention": skipping(all_but_first, ()),
+        "one mlp": skipping((), all_but_first),
+        "full head": head_run(model.get_output_embeddings()),
+        **{("head", size): head_run(RestrictedDraftHead(model, size, text[:1])) for size in _HEAD_SIZES},
+        **{path: adapter_draft(path) for path in draft_adapters},
+    }
+    seconds = interleaved_medians(runs, _CALIBRATION_ROUNDS, timer)
+    verify_seconds = (0.0, *(seconds[tokens] for tokens in range(1, max_verify_tokens + 1)))
+    overheads = sorted(
+        (data.prompt.plain_seconds - data.prefill_seconds - (len(data.reference) - 1) * verify_seconds[1])
+        / len(data.reference)
+        for data in prompts
+        if len(data.reference) > 1
     )
+    full, one_attention, one_mlp = (seconds[name] / _CALIBRATION_TOKENS for name in ("full", "one attention", "one mlp"))
+    heads = ("full head", *(("head", size) for size in _HEAD_SIZES))
+    full_head, small_head, large_head = (seconds[name] / _HEAD_CALLS for name in heads)
     spread = max(num_layers - 1, 1)
     attention_seconds = (full - one_attention) / spread
     mlp_seconds = (full - one_mlp) / spread
@@ -266,7 +307,7 @@ def calibrate(
         mlp_seconds=mlp_seconds,
         restricted_head_constant=small_head - full_head - _HEAD_SIZES[0] * per_row,
         restricted_head_per_row=per_row,
-        adapter_draft_seconds={path: adapter_draft(path) for path in draft_adapters},
+        adapter_draft_seconds={path: seconds[path] / _CALIBRATION_TOKENS for path in draft_adapters},
     )
 
 
@@ -601,3 +642,91 @@ class EstimatedSpeedupObjective:
         trial.set_user_attr("draft_token_seconds", self.cost.draft_token_seconds(params))
         categories.record(trial, self.category_floor)
         return categories.value
+
+
+class CostModelWatch:
+    """An Optuna callback that keeps the objective's cost model true to the machine as it is now.
+
+    A neighbour's load that starts or stops during a study changes what a forward pass costs,
+    and not alike at every width: the cost model timed at the start would then price every
+    later trial wrong. Every `every` trials the plain step and the widest verification are timed
+    again side by side (`probe`, in rounds); when their ratio has moved from the cost model's by
+    more than `tolerance`, the whole model is timed again (`retime`) and the objective prices
+    the trials after it with that. Each re-time is recorded in the study's user attrs
+    (`cost_model_retimes`) and logged, so a study's values can be read with it in mind.
+    """
+
+    def __init__(
+        self,
+        objective: EstimatedSpeedupObjective,
+        probe: Mapping[int, Callable[[], Any]],
+        retime: Callable[[], CostModel],
+        timer: Timer,
+        every: int = _PROBE_EVERY,
+        tolerance: float = _DRIFT_TOLERANCE,
+    ):
+        self.objective, self.probe, self.retime, self.timer = objective, probe, retime, timer
+        self.every, self.tolerance = every, tolerance
+        self.narrow, self.wide = min(probe), max(probe)
+        self.trials = 0
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self.trials += 1
+        if self.trials % self.every:
+            return
+        seconds = interleaved_medians(self.probe, _PROBE_ROUNDS, self.timer)
+        measured = seconds[self.wide] / seconds[self.narrow]
+        cost = self.objective.cost
+        modelled = cost.verify(self.wide) / cost.verify(self.narrow)
+        if abs(measured / modelled - 1) <= self.tolerance:
+            return
+        self.objective.cost = rescaled_overheads(cost, self.retime())
+        retimes = [
+            *study.user_attrs.get("cost_model_retimes", []),
+            {"after_trial": trial.number, "probe_ratio": measured, "model_ratio": modelled},
+        ]
+        study.set_user_attr("cost_model_retimes", retimes)
+        logger.info(
+            "The cost model was timed again after trial %d: a %d-token verification now costs %.2f plain steps, "
+            "the model priced it at %.2f",
+            trial.number,
+            self.wide,
+            measured,
+            modelled,
+        )
+
+
+def rescaled_overheads(old: CostModel, new: CostModel) -> CostModel:
+    """`new`, with `old`'s per-step overheads carried over in proportion to its plain step.
+
+    The overheads come from whole decodes (`calibrate_loop` and the prompts' plain runs), too
+    slow to repeat mid-study; held as a share of the plain step, they follow the load as the
+    re-timed forward passes do."""
+    scale = new.verify(1) / old.verify(1) if old.verify(1) > 0 else 1.0
+    return dataclasses.replace(
+        new,
+        plain_step_overhead=old.plain_step_overhead * scale,
+        loop_step_overhead=old.loop_step_overhead * scale,
+    )
+
+
+def estimated_objective(
+    model,
+    prompts: Sequence[TeacherForcedPrompt],
+    search: SearchConfig,
+    num_layers: int,
+    max_verify_tokens: int,
+    generate_kwargs: dict[str, Any],
+    worker: str,
+    category_floor: float | None = None,
+) -> tuple[EstimatedSpeedupObjective, CostModelWatch]:
+    """The estimated objective with its cost model timed for `prompts`, and the callback that
+    re-checks that cost model during the study (to pass to `study.optimize`)."""
+
+    def time_cost_model() -> CostModel:
+        return calibrate(model, prompts, num_layers, max_verify_tokens, search.draft_adapters.values())
+
+    cost = calibrate_loop(model, time_cost_model(), prompts, generate_kwargs)
+    objective = EstimatedSpeedupObjective(model, prompts, cost, search, worker, category_floor)
+    probe = verification_runs(model, prompts[0], (1, max_verify_tokens))
+    return objective, CostModelWatch(objective, probe, time_cost_model, device_timer(model.device))

@@ -1,21 +1,28 @@
 """`hf-selfspec quickstart`: the whole loop in one command, on the embedded model and the CPU.
 
 A short estimated tune whose best trials are confirmed by real decoding, an export of the best
-measured trial, then a held-out HumanEval prompt decoded plainly, with that fresh profile, and
-with the profile shipped in the package (what `load_embedded()` applies). A short tune on two
-prompts rarely finds a real speedup; the command says so plainly rather than oversell it.
+measured trial, then a held-out workload prompt decoded plainly, with that fresh profile, and
+with the profile shipped in the package (what `load_embedded()` applies).
+
+It searches what pays on this model: Kangaroo with the shipped exit-1 adapters, composed with a
+prompt lookup that continues into the shipped lookup corpus. Skipping layers alone cannot pay on
+a model this shallow, so a short tune of it would only show the tuner finding nothing. The
+ranges are the shipped bfloat16 study's (studies/smollm2-135m-workload-bf16.toml), so the short
+tune searches where that study's measured trials did; the command still says plainly when no
+trial beat plain.
 """
 
 from __future__ import annotations
 
 import statistics
+from importlib import resources
 from pathlib import Path
 
 import optuna
 
 from hf_selfspec.inputs import output_directory
 from hf_selfspec.loading import EMBEDDED
-from hf_selfspec.prompts import HUMANEVAL
+from hf_selfspec.prompts import HELD_OUT_SPLIT, TUNE_SPLIT, WORKLOAD, Prompt, load_prompts
 
 from . import TuningError
 from .config import PromptConfig, SearchConfig, StudyConfig, StudySettings
@@ -23,17 +30,37 @@ from .export import export_profile
 from .storage import estimated_study_name, open_storage, resolve_storage_url
 from .tune import format_summary, run_tune
 
+_SHIPPED = Path(str(resources.files("hf_selfspec").joinpath("data/tuned/smollm2-135m-instruct")))
 # A fixed study name, started afresh on every run: a resumed study would skip the warm-start
-# trials (the likeliest good ones) and spend a short budget on random skip sets.
+# trials (the likeliest good ones) and spend a short budget on random draws.
 QUICKSTART_CONFIG = StudyConfig(
-    prompts=PromptConfig(source=HUMANEVAL, n_prompts=2, max_new_tokens=32),
-    search=SearchConfig(strategy="adaptive_draft_exit", ranges={"draft_vocab_size": (0, 16384)}),
+    # One prompt of each workload category: the profile is judged on all of them, as a shipped one.
+    prompts=PromptConfig(source=WORKLOAD, split=TUNE_SPLIT, per_category=1, max_new_tokens=64),
+    search=SearchConfig(
+        strategy="kangaroo",
+        ranges={
+            "max_draft_tokens": (2, 6),
+            "draft_exit_threshold": (0.3, 0.8),
+            "draft_vocab_size": (4096, 8192),
+            "prompt_lookup_tokens": (2, 10),
+            "prompt_lookup_max_tokens": (10, 32),
+            "prompt_lookup_min_ngram": (1, 2),
+            "draft_source_probe_interval": (0, 16),
+        },
+        draft_adapters={
+            name: str(_SHIPPED / f"{name}.safetensors") for name in ("kangaroo-exit1", "general-exit1")
+        },
+        lookup_corpus=str(_SHIPPED / "own-general.safetensors"),
+    ),
     study=StudySettings(name="quickstart", objective="estimated", confirm_top=2),
 )
 DEMO_NEW_TOKENS = 64
-# The first prompt of the held-out range the bench reports on: no shipped study tuned on it.
-DEMO_PROMPT = 20
 DEMO_REPEATS = 3
+
+
+def demo_prompt() -> Prompt:
+    """The workload's first held-out prompt: no study, the quickstart's included, tunes on it."""
+    return load_prompts(WORKLOAD, 1, split=HELD_OUT_SPLIT)[0]
 
 
 def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_progress: bool = True) -> int:
@@ -41,15 +68,16 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
     from hf_selfspec.embedded import load_embedded
     from hf_selfspec.loading import load_model_and_tokenizer
     from hf_selfspec.measure import timed_generate
-    from hf_selfspec.prompts import encode_prompt, load_prompts
+    from hf_selfspec.prompts import encode_prompt
     from hf_selfspec.strategies import PLAIN
 
     output = output_directory(output, "--output")  # refused now, not after minutes of tuning
     storage_url = resolve_storage_url(storage_url)
     print(
-        f"1/3  Tuning the embedded model for {n_trials} estimated trials on {QUICKSTART_CONFIG.prompts.n_prompts} "
-        "HumanEval prompts, then measuring the best 2 by real decoding "
-        "(the full search is `hf-selfspec tune studies/smollm2-135m.toml`).",
+        f"1/3  Tuning Kangaroo and prompt lookup on the embedded model for {n_trials} estimated trials on one "
+        "workload prompt per category, then measuring the best "
+        f"{QUICKSTART_CONFIG.study.confirm_top} by real decoding; this takes a few minutes "
+        "(the full search is `hf-selfspec tune studies/smollm2-135m-workload-bf16.toml`).",
         flush=True,
     )
     storage = open_storage(storage_url)
@@ -67,17 +95,17 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
     if best.value <= 1:
         print(
             f"\nNo trial beat plain decoding in this short tune (best {best.value:.2f}x); exporting the best "
-            "anyway. The full search, `hf-selfspec tune studies/smollm2-135m.toml`, tries far more skip sets."
+            "anyway. The full search, `hf-selfspec tune studies/smollm2-135m-workload-bf16.toml`, tries far more."
         )
 
     print(f"\n2/3  Exporting trial {best.number} to {output}/generation_config.json", flush=True)
     result = export_profile(outcome.storage_url, outcome.export_study.study_name, output)
 
-    print(f"\n3/3  Decoding held-out HumanEval prompt #{DEMO_PROMPT}: plain, with {result.path}, and with the "
+    print(f"\n3/3  Decoding the first held-out workload prompt: plain, with {result.path}, and with the "
           "profile shipped in the package (what `hf_selfspec.load_embedded()` applies)", flush=True)
     fresh_model, tokenizer = load_model_and_tokenizer(EMBEDDED, generation_config=result.path)
     shipped_model, _ = load_embedded()
-    prompt = load_prompts(HUMANEVAL, 1, offset=DEMO_PROMPT)[0]
+    prompt = demo_prompt()
     inputs = encode_prompt(tokenizer, prompt)
     kwargs = {"max_new_tokens": DEMO_NEW_TOKENS, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     # No strategy for the tuned rows: the profile in each model's generation config decides.

@@ -30,7 +30,7 @@ from . import TuningError
 from .categories import describe_categories, is_feasible
 from .config import StudyConfig, check_adapters_fit
 from .dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
-from .estimate import EstimatedSpeedupObjective, calibrate, calibrate_loop, check_supported, teacher_force
+from .estimate import check_supported, estimated_objective, teacher_force
 from .objective import LosslessViolation, SpeedupObjective, prepare_prompts
 from .space import warm_start_trials
 from .study_prompts import select_study_prompts
@@ -268,9 +268,10 @@ def run_tune(
             max_alternatives = int(config.search.range_of("draft_alternatives")[1])
             longest_lookup = int(config.search.range_of("prompt_lookup_max_tokens")[1])
             widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
-            cost = calibrate(model, forced, num_layers, widest, config.search.draft_adapters.values())
-            cost = calibrate_loop(model, cost, forced, generate_kwargs)
-            objective = EstimatedSpeedupObjective(model, forced, cost, config.search, worker, floor)
+            objective, cost_watch = estimated_objective(
+                model, forced, config.search, num_layers, widest, generate_kwargs, worker, floor
+            )
+            callbacks.append(cost_watch)
         else:
             objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
         timeout = timeout if timeout is not None else config.study.timeout

@@ -361,6 +361,30 @@ def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(s
 
 
 
+def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(sharp_llama, tmp_path):
+    """Every timing costs one unit but those of a burst as long as the first round, which cost
+    ten: timed one item after another, the burst would fall on the first item's every timing; in
+    rounds it falls on one timing of each, and every median is the unit. So the verifier costs
+    the same at every width, the draft nothing per sub-layer and the head nothing per row."""
+    data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
+    adapter = random_adapter(sharp_llama, 1, tmp_path)
+    items = 4 + 3 + 3 + 1  # widths, skip sets, heads, the adapter
+    calls = []
+
+    def bursting_timer(run):
+        run()
+        calls.append(run)
+        return 10.0 if len(calls) <= items else 1.0
+
+    cost = calibrate(sharp_llama, [data], NUM_LAYERS, 4, [adapter], timer=bursting_timer)
+    assert len(set(calls[:items])) == items  # the first round takes every item once
+    assert cost.verify_seconds == (0.0, 1.0, 1.0, 1.0, 1.0)
+    assert cost.attention_seconds == cost.mlp_seconds == 0.0
+    assert cost.restricted_head_per_row == 0.0
+    full_model_draft = resolve_params(NUM_LAYERS, {"attn_skip_layers": [], "mlp_skip_layers": []})
+    assert cost.draft_token_seconds(full_model_draft) == pytest.approx(cost.adapter_draft_seconds[adapter])
+
+
 def test_the_estimate_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):
     """Lookups only (a closed gate), first in the text, then in the model's own writing: the
     estimate proposes exactly what a real decode proposes, with the loop's own lookup."""
@@ -512,7 +536,30 @@ def test_a_study_that_spent_its_budget_runs_nothing_and_times_nothing(tmp_path, 
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibrated a cost model for a study with no trials left to run")
 
-    monkeypatch.setattr("hf_selfspec.tuning.tune.calibrate", no_calibration)
+    monkeypatch.setattr("hf_selfspec.tuning.tune.estimated_objective", no_calibration)
     again = run_tune(load_study_config(path), show_progress=False)
     assert sum(again.this_run.values()) == 0
     assert len(again.study.get_trials(states=(TrialState.COMPLETE,))) == 2
+
+
+def test_an_estimated_study_re_checks_its_cost_model_and_records_each_re_time(tmp_path, tiny_llama_dir, monkeypatch):
+    """The watch runs with the study: here it probes after every trial and, with no tolerance,
+    times the cost model again every time, which the study records."""
+    from functools import partialmethod
+
+    from hf_selfspec.tuning.estimate import CostModelWatch
+
+    monkeypatch.setattr(
+        CostModelWatch, "__init__", partialmethod(CostModelWatch.__init__, every=1, tolerance=-1.0)
+    )
+    path = write_study_config(
+        tmp_path / "study.toml",
+        tiny_llama_dir,
+        f"sqlite:///{tmp_path / 'optuna.db'}",
+        max_new_tokens=6,
+        study='objective = "estimated"\nconfirm_top = 0\nn_trials = 3',
+    )
+    outcome = run_tune(load_study_config(path), show_progress=False)
+    retimes = outcome.study.user_attrs["cost_model_retimes"]
+    assert [record["after_trial"] for record in retimes] == [0, 1, 2]
+    assert len(outcome.study.get_trials(states=(TrialState.COMPLETE,))) == 3

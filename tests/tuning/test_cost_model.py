@@ -1,0 +1,125 @@
+"""The estimate's cost model under a changing load: timed in rounds, and re-timed when it drifts.
+
+No real clock: a timer that prices each run by its name, and a load the test switches on and off.
+"""
+
+from __future__ import annotations
+
+import types
+
+import optuna
+
+from hf_selfspec.tuning.estimate import CostModel, CostModelWatch, interleaved_medians, rescaled_overheads
+
+BASE = {"plain step": 1.0, "wide verification": 3.0, "draft": 0.5}
+ROUNDS = 5
+
+
+class LoadedTimer:
+    """Prices a run (which returns its own name) at its base cost, times `factor` during calls
+    `spike` (counted from 0), as a neighbour's burst of work would slow it."""
+
+    def __init__(self, prices: dict, spike: range = range(0), factor: float = 4.0):
+        self.prices, self.spike, self.factor, self.calls = prices, spike, factor, 0
+
+    def __call__(self, run) -> float:
+        seconds = self.prices[run()] * (self.factor if self.calls in self.spike else 1.0)
+        self.calls += 1
+        return seconds
+
+
+def _named_runs(names):
+    return {name: (lambda name=name: name) for name in names}
+
+
+def test_a_load_spike_during_calibration_leaves_the_interleaved_medians_unbent():
+    spike = range(ROUNDS)  # as long as one item's timings when timed one item after another
+    interleaved = interleaved_medians(_named_runs(BASE), ROUNDS, LoadedTimer(BASE, spike))
+    assert interleaved == BASE
+
+    # The same spike against the old order, each item timed in full before the next: the first
+    # item carries all of it, and the ratios the estimate reads come out bent.
+    timer = LoadedTimer(BASE, spike)
+    runs = _named_runs(BASE)
+    sequential = {name: sorted(timer(run) for _ in range(ROUNDS))[ROUNDS // 2] for name, run in runs.items()}
+    assert sequential["plain step"] == 4 * BASE["plain step"]
+    assert sequential["wide verification"] / sequential["plain step"] != BASE["wide verification"] / BASE["plain step"]
+
+
+def _cost(plain: float, wide: float, overhead: float = 0.1) -> CostModel:
+    """A cost model whose 1-token verification costs `plain` and 8-token one `wide`."""
+    return CostModel(
+        num_layers=4,
+        verify_seconds=(0.0, plain, *(wide,) * 7),
+        plain_step_overhead=overhead,
+        draft_constant=0.1,
+        attention_seconds=0.01,
+        mlp_seconds=0.02,
+        restricted_head_constant=0.0,
+        restricted_head_per_row=0.0,
+        loop_step_overhead=2 * overhead,
+    )
+
+
+def _study_with_watch(prices_by_trial, every=10, n_trials=30, tolerance=0.15):
+    """Runs `n_trials` trivial trials under a watch probing the 1- and 8-token verifications,
+    priced at `prices_by_trial(number)` while trial `number` is the latest; returns the study,
+    the objective the watch keeps and the cost models it timed again."""
+    prices = {1: 1.0, 8: 3.0}
+    objective = types.SimpleNamespace(cost=_cost(1.0, 3.0))
+    retimed = []
+
+    def retime():
+        retimed.append(_cost(prices[1], prices[8]))
+        return retimed[-1]
+
+    watch = CostModelWatch(
+        objective, _named_runs((1, 8)), retime, LoadedTimer(prices), every=every, tolerance=tolerance
+    )
+
+    def trial_value(trial):
+        prices.update(prices_by_trial(trial.number))
+        return 0.0
+
+    study = optuna.create_study()
+    study.optimize(trial_value, n_trials=n_trials, callbacks=[watch])
+    return study, objective, retimed
+
+
+def test_a_steady_ratio_is_not_timed_again_even_when_everything_slows_alike():
+    study, objective, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 3.0} if n < 15 else {1: 2.0, 8: 6.0})
+    assert retimed == []
+    assert objective.cost == _cost(1.0, 3.0)
+    assert "cost_model_retimes" not in study.user_attrs
+
+
+def test_a_drift_within_the_tolerance_is_not_timed_again():
+    _, objective, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 3.0 * 1.1})
+    assert retimed == []
+    assert objective.cost == _cost(1.0, 3.0)
+
+
+def test_a_ratio_that_drifts_past_the_tolerance_times_the_model_again_once_and_records_it():
+    # From trial 12 the wide verification costs 4 plain steps instead of 3: the probe after
+    # trial 19 sees it; the model timed then prices it so, and the probe after trial 29 agrees.
+    study, objective, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 3.0} if n < 12 else {1: 1.0, 8: 4.0})
+    assert retimed == [_cost(1.0, 4.0)]
+    assert objective.cost.verify_seconds == retimed[0].verify_seconds
+    [record] = study.user_attrs["cost_model_retimes"]
+    assert record["after_trial"] == 19
+    assert record["probe_ratio"] == 4.0 and record["model_ratio"] == 3.0
+
+
+def test_the_probe_runs_only_every_so_many_trials():
+    _, _, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 4.0}, every=10, n_trials=9)
+    assert retimed == []
+    _, _, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 4.0}, every=10, n_trials=10)
+    assert len(retimed) == 1
+
+
+def test_a_retimed_model_keeps_its_overheads_in_proportion_to_the_plain_step():
+    old, new = _cost(1.0, 3.0, overhead=0.1), _cost(2.0, 8.0, overhead=0.0)
+    rescaled = rescaled_overheads(old, new)
+    assert rescaled.verify_seconds == new.verify_seconds
+    assert rescaled.plain_step_overhead == 0.2
+    assert rescaled.loop_step_overhead == 0.4
