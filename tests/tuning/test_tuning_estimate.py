@@ -522,14 +522,19 @@ def test_estimated_study_confirms_its_best_trials_by_real_decoding(tmp_path, tin
     assert result.profile.params == decode_params(best.params, "target_confidence_gated", NUM_LAYERS)
 
 
-def test_a_study_that_spent_its_budget_runs_nothing_and_times_nothing(tmp_path, tiny_llama_dir, monkeypatch):
-    path = write_study_config(
+def _estimated_study_config(tmp_path, tiny_llama_dir, n_trials: int):
+    """A short estimated study of the tiny model with no confirmation, in its own SQLite file."""
+    return write_study_config(
         tmp_path / "study.toml",
         tiny_llama_dir,
         f"sqlite:///{tmp_path / 'optuna.db'}",
         max_new_tokens=6,
-        study='objective = "estimated"\nconfirm_top = 0\nn_trials = 2',
+        study=f'objective = "estimated"\nconfirm_top = 0\nn_trials = {n_trials}',
     )
+
+
+def test_a_study_that_spent_its_budget_runs_nothing_and_times_nothing(tmp_path, tiny_llama_dir, monkeypatch):
+    path = _estimated_study_config(tmp_path, tiny_llama_dir, n_trials=2)
     first = run_tune(load_study_config(path), show_progress=False)
     assert sum(first.this_run.values()) == 2
 
@@ -552,13 +557,7 @@ def test_an_estimated_study_re_checks_its_cost_model_and_records_each_re_time(tm
     monkeypatch.setattr(
         CostModelWatch, "__init__", partialmethod(CostModelWatch.__init__, every=1, tolerance=-1.0)
     )
-    path = write_study_config(
-        tmp_path / "study.toml",
-        tiny_llama_dir,
-        f"sqlite:///{tmp_path / 'optuna.db'}",
-        max_new_tokens=6,
-        study='objective = "estimated"\nconfirm_top = 0\nn_trials = 3',
-    )
+    path = _estimated_study_config(tmp_path, tiny_llama_dir, n_trials=3)
     outcome = run_tune(load_study_config(path), show_progress=False)
     retimes = outcome.study.user_attrs["cost_model_retimes"]
     assert [record["after_trial"] for record in retimes] == [0, 1, 2]
