@@ -111,7 +111,8 @@ def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
         *_category_grid(results, "speedup", "category_geomean_speedup", {results["baseline"]}, color),
     ]
     lookup = results["lookup"]
-    if lookup:
+    # ratios to lookup need a contender besides plain and lookup itself
+    if lookup and any(contender["name"] not in (results["baseline"], lookup) for contender in results["contenders"]):
         lines += [
             "",
             f"x lookup: median ratio to transformers' prompt lookup ({lookup}), paired per repeat like the speedup, "

@@ -677,3 +677,17 @@ def test_split_without_splits_and_sampling_flags_without_sampling_are_one_line(p
     assert message.format(prompts=prompt_file) in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_per_category_report_of_plain_and_lookup_alone_has_no_ratio_to_lookup_section():
+    """With no contender besides plain and lookup there is nothing to compare with lookup per
+    category; the speedups by category are still reported."""
+    measurements = _category_measurements()
+    keep = {measurements.contenders[0].name, PROMPT_LOOKUP}
+    for name in [c.name for c in measurements.contenders if c.name not in keep]:
+        del measurements.runs[name]
+    measurements.contenders = [c for c in measurements.contenders if c.name in keep]
+    results = results_document(measurements, machine=_MACHINE, skip_sets=_SKIP_SETS, command={})
+    table = render(results)
+    assert "by prompt category" in table
+    assert "x lookup: median ratio" not in table
