@@ -650,10 +650,14 @@ class CostModelWatch:
     A neighbour's load that starts or stops during a study changes what a forward pass costs,
     and not alike at every width: the cost model timed at the start would then price every
     later trial wrong. Every `every` trials the plain step and the widest verification are timed
-    again side by side (`probe`, in rounds); when their ratio has moved from the cost model's by
-    more than `tolerance`, the whole model is timed again (`retime`) and the objective prices
-    the trials after it with that. Each re-time is recorded in the study's user attrs
-    (`cost_model_retimes`) and logged, so a study's values can be read with it in mind.
+    again side by side (`probe`, in rounds); when their ratio has moved by more than `tolerance`
+    from what the same probe read when the cost model was last timed, the whole model is timed
+    again (`retime`) and the objective prices the trials after it with that. The probe is
+    compared with itself, not with the cost model's ratio: the two time a verification in
+    different contexts (one prompt's cache against all of them), so their ratios differ even
+    on an idle machine, and only a change in the probe's own reading is the load's. Each
+    re-time is recorded in the study's user attrs (`cost_model_retimes`) and logged, so a
+    study's values can be read with it in mind.
     """
 
     def __init__(
@@ -669,31 +673,35 @@ class CostModelWatch:
         self.every, self.tolerance = every, tolerance
         self.narrow, self.wide = min(probe), max(probe)
         self.trials = 0
+        self.reference = self.probe_ratio()  # the cost model was timed just before
+
+    def probe_ratio(self) -> float:
+        """What the widest probed verification costs now, in plain steps."""
+        seconds = interleaved_medians(self.probe, _PROBE_ROUNDS, self.timer)
+        return seconds[self.wide] / seconds[self.narrow]
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         self.trials += 1
         if self.trials % self.every:
             return
-        seconds = interleaved_medians(self.probe, _PROBE_ROUNDS, self.timer)
-        measured = seconds[self.wide] / seconds[self.narrow]
-        cost = self.objective.cost
-        modelled = cost.verify(self.wide) / cost.verify(self.narrow)
-        if abs(measured / modelled - 1) <= self.tolerance:
+        measured = self.probe_ratio()
+        if abs(measured / self.reference - 1) <= self.tolerance:
             return
-        self.objective.cost = rescaled_overheads(cost, self.retime())
+        self.objective.cost = rescaled_overheads(self.objective.cost, self.retime())
         retimes = [
             *study.user_attrs.get("cost_model_retimes", []),
-            {"after_trial": trial.number, "probe_ratio": measured, "model_ratio": modelled},
+            {"after_trial": trial.number, "probe_ratio": measured, "reference_ratio": self.reference},
         ]
         study.set_user_attr("cost_model_retimes", retimes)
         logger.info(
             "The cost model was timed again after trial %d: a %d-token verification now costs %.2f plain steps, "
-            "the model priced it at %.2f",
+            "%.2f when the model was last timed",
             trial.number,
             self.wide,
             measured,
-            modelled,
+            self.reference,
         )
+        self.reference = self.probe_ratio()
 
 
 def rescaled_overheads(old: CostModel, new: CostModel) -> CostModel:

@@ -61,11 +61,12 @@ def _cost(plain: float, wide: float, overhead: float = 0.1) -> CostModel:
     )
 
 
-def _study_with_watch(prices_by_trial, every=10, n_trials=30, tolerance=0.15):
+def _study_with_watch(prices_by_trial, every=10, n_trials=30, tolerance=0.15, probed_at_start=(1.0, 3.0)):
     """Runs `n_trials` trivial trials under a watch probing the 1- and 8-token verifications,
-    priced at `prices_by_trial(number)` while trial `number` is the latest; returns the study,
-    the objective the watch keeps and the cost models it timed again."""
-    prices = {1: 1.0, 8: 3.0}
+    priced at `probed_at_start` when the watch starts (just after the model, priced (1, 3), was
+    timed) and at `prices_by_trial(number)` while trial `number` is the latest; returns the
+    study, the objective the watch keeps and the cost models it timed again."""
+    prices = dict(zip((1, 8), probed_at_start))
     objective = types.SimpleNamespace(cost=_cost(1.0, 3.0))
     retimed = []
 
@@ -93,6 +94,14 @@ def test_a_steady_ratio_is_not_timed_again_even_when_everything_slows_alike():
     assert "cost_model_retimes" not in study.user_attrs
 
 
+def test_a_probe_that_reads_steadily_apart_from_the_model_is_not_timed_again():
+    # The probe times one prompt's verification, the model all prompts': on an idle machine the
+    # two ratios differ by a constant, which is no drift (the model prices 3.0, the probe reads 3.6).
+    _, objective, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 3.6}, probed_at_start=(1.0, 3.6))
+    assert retimed == []
+    assert objective.cost == _cost(1.0, 3.0)
+
+
 def test_a_drift_within_the_tolerance_is_not_timed_again():
     _, objective, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 3.0 * 1.1})
     assert retimed == []
@@ -107,7 +116,7 @@ def test_a_ratio_that_drifts_past_the_tolerance_times_the_model_again_once_and_r
     assert objective.cost.verify_seconds == retimed[0].verify_seconds
     [record] = study.user_attrs["cost_model_retimes"]
     assert record["after_trial"] == 19
-    assert record["probe_ratio"] == 4.0 and record["model_ratio"] == 3.0
+    assert record["probe_ratio"] == 4.0 and record["reference_ratio"] == 3.0
 
 
 def test_the_probe_runs_only_every_so_many_trials():
