@@ -7,9 +7,9 @@ with the profile shipped in the package (what `load_embedded()` applies).
 It searches what pays on this model: Kangaroo with the shipped exit-1 adapters, composed with a
 prompt lookup that continues into the shipped lookup corpus. Skipping layers alone cannot pay on
 a model this shallow, so a short tune of it would only show the tuner finding nothing. The
-ranges are the shipped bfloat16 study's (studies/smollm2-135m-workload-bf16.toml), so the short
-tune searches where that study's measured trials did; the command still says plainly when no
-trial beat plain.
+ranges are those of the study behind the shipped bfloat16 default
+(studies/smollm2-135m-workload-general-bf16.toml), so the short tune searches where it did;
+the command still says plainly when no trial beat plain.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ QUICKSTART_CONFIG = StudyConfig(
     search=SearchConfig(
         strategy="kangaroo",
         ranges={
-            "max_draft_tokens": (2, 6),
+            "max_draft_tokens": (2, 8),
             "draft_exit_threshold": (0.3, 0.8),
-            "draft_vocab_size": (4096, 8192),
+            "draft_vocab_size": (2048, 8192),
             "prompt_lookup_tokens": (2, 10),
             "prompt_lookup_max_tokens": (10, 32),
             "prompt_lookup_min_ngram": (1, 2),
