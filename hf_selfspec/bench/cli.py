@@ -44,7 +44,7 @@ split, which studies tune on, and a held-out split, which the bench measures by 
 Our strategy named by a tuned profile (from --config, or the model's own generation_config)
 for this device and dtype runs with that profile's parameters ("tuned" in the table); every
 other strategy runs with the default skip set: both sub-layers of every other layer from the
-middle one on, never the last ("default"; see docs/bench.md).
+middle one on, never the last ("default"; see docs/strategies.md).
 """
 
 EPILOG = """\
