@@ -3,11 +3,14 @@ shipped corpus, on the workload's tune split, and a demo prompt held out from it
 
 from __future__ import annotations
 
+from helpers import REPO_ROOT
+
 from hf_selfspec.adapter import read_adapter_shape
 from hf_selfspec.lookup_corpus import read_corpus_description
 from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD_CATEGORIES
 from hf_selfspec.strategies import resolve_strategy
 from hf_selfspec.tuning.knobs import strategy_knobs
+from hf_selfspec.tuning.config import load_study_config
 from hf_selfspec.tuning.quickstart import QUICKSTART_CONFIG, demo_prompt
 from hf_selfspec.tuning.study_prompts import select_study_prompts
 
@@ -29,3 +32,14 @@ def test_the_quickstart_tunes_on_every_category_and_demos_on_a_prompt_it_did_not
     demo = demo_prompt()
     assert demo.split == HELD_OUT_SPLIT
     assert demo.id not in {prompt.id for prompt in tuned}
+
+
+def test_the_quickstart_searches_the_ranges_of_the_study_behind_the_shipped_default():
+    """The wheel carries no study TOML, so the quickstart keeps its own copy of the ranges; it
+    must not drift from the study that tuned the shipped bfloat16 default."""
+    study = load_study_config(REPO_ROOT / "studies" / "smollm2-135m-workload-general-bf16.toml").search
+    quickstart = QUICKSTART_CONFIG.search
+    assert quickstart.strategy == study.strategy
+    assert set(quickstart.ranges) == set(study.ranges)
+    for knob in study.ranges:
+        assert tuple(quickstart.range_of(knob)) == tuple(study.range_of(knob)), knob
