@@ -77,7 +77,7 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
         f"1/3  Tuning Kangaroo and prompt lookup on the embedded model for {n_trials} estimated trials on one "
         "workload prompt per category, then measuring the best "
         f"{QUICKSTART_CONFIG.study.confirm_top} by real decoding; this takes a few minutes "
-        "(the full search is `hf-selfspec tune studies/smollm2-135m-workload-bf16.toml`).",
+        "(the full search is `hf-selfspec tune studies/smollm2-135m-workload-general-bf16.toml`).",
         flush=True,
     )
     storage = open_storage(storage_url)
@@ -95,7 +95,7 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
     if best.value <= 1:
         print(
             f"\nNo trial beat plain decoding in this short tune (best {best.value:.2f}x); exporting the best "
-            "anyway. The full search, `hf-selfspec tune studies/smollm2-135m-workload-bf16.toml`, tries far more."
+            "anyway. The full search, `hf-selfspec tune studies/smollm2-135m-workload-general-bf16.toml`, tries far more."
         )
 
     print(f"\n2/3  Exporting trial {best.number} to {output}/generation_config.json", flush=True)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -76,17 +77,27 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180)
     )
 
 
-def kill_once_written(command: list[str], env: dict[str, str], directory: Path, pattern: str) -> list[Path]:
-    """Start `command` and SIGKILL it as soon as a file matching `pattern` appears under
-    `directory` (as a power cut would, mid-work); the files that had appeared, none if it ended first."""
+def sigkill_when(command: list[str], env: dict[str, str], ready: Callable[[], bool], timeout: float = 120) -> int:
+    """Start `command` and SIGKILL it as soon as `ready()` holds (as a power cut would, mid-work);
+    its return code, which is -SIGKILL unless it ended first."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    written: list[Path] = []
-    while not written and process.poll() is None and time.monotonic() < deadline:
-        written = list(directory.glob(pattern))
+    deadline = time.monotonic() + timeout
+    while not ready() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
-    process.wait()
+    return process.wait()
+
+
+def kill_once_written(command: list[str], env: dict[str, str], directory: Path, pattern: str) -> list[Path]:
+    """`sigkill_when` a file matching `pattern` appears under `directory`; the files that had
+    appeared, none if it ended first."""
+    written: list[Path] = []
+
+    def appeared() -> bool:
+        written[:] = directory.glob(pattern)
+        return bool(written)
+
+    sigkill_when(command, env, appeared)
     return written
 
 

@@ -4,9 +4,13 @@ model's shape and costs, its refusals, and `tune --model` without a study TOML."
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from types import SimpleNamespace
 
 import pytest
+from helpers import REPO_ROOT
+from helpers.tuning import cli_command, cli_env, sigkill_when
 
 from hf_selfspec.cli import main
 from hf_selfspec.loading import load_model_and_tokenizer
@@ -71,6 +75,32 @@ def test_the_rerun_finishes_only_what_was_left(finished, monkeypatch, capsys):
     for stage in STAGES[:-1]:
         assert state["stages"][stage] == finished.state_after_kill["stages"][stage]
     assert state["spent_seconds"] > finished.state_after_kill["spent_seconds"]
+
+
+def test_a_sigkilled_run_resumes_where_it_was_cut(tiny_llama_dir, tmp_path):
+    """SIGKILL (no handler runs, as in a power cut) once the adapter stage is recorded, i.e. while
+    the study tunes; the rerun keeps every recorded stage and finishes the rest."""
+    output, env = tmp_path / "out", cli_env(HF_SELFSPEC_CACHE=str(tmp_path / "cache"))
+    command = cli_command("optimize", "--model", tiny_llama_dir, "--output", output, "--budget", BUDGET, "--no-progress")
+    recorded: dict = {}
+
+    def adapter_recorded() -> bool:
+        nonlocal recorded
+        if (output / WORK_DIR / STATE_FILE).is_file():
+            recorded = _state(output)["stages"]  # replaced whole, never read half-written
+        return "adapter" in recorded
+
+    assert sigkill_when(command, env, adapter_recorded, timeout=300) == -signal.SIGKILL, "it ended before the kill"
+    assert list(recorded) == list(STAGES[:3])
+    assert not (output / "generation_config.json").exists()
+
+    resumed = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.count("done in an earlier run") == 3
+    state = _state(output)
+    assert list(state["stages"]) == list(STAGES)
+    assert {stage: state["stages"][stage] for stage in recorded} == recorded
+    assert (output / "generation_config.json").is_file()
 
 
 def test_it_writes_a_loadable_profile_and_a_rerunnable_study(finished):
