@@ -204,7 +204,7 @@ def _adapt(parts: SpeculationParts, draft: Draft, verdict: Verdict, committed: i
     """Feed the step's outcome to every part that learns from it."""
     if draft.tokens:
         parts.exit_policy.update(verdict.accepted, len(draft.tokens))
-        parts.drafter.record(draft, verdict.accepted, committed, seconds)
+    parts.drafter.record(draft, verdict.accepted, committed, seconds)
     if parts.gate.needs_confidence:
         probabilities = torch.softmax(verdict.scores[-1], dim=-1)
         parts.gate.update(float(probabilities[verdict.tokens[-1]]))

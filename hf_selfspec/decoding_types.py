@@ -69,9 +69,10 @@ class Drafter:
         """Forget draft state past the KV the verifier kept; the shared cache needs nothing."""
 
     def record(self, draft: Draft, accepted: int, committed: int, seconds: float | None) -> None:
-        """After each verification of a non-empty `draft`: how many of its tokens the verifier
-        accepted, how many tokens the step committed, and what drafting and verifying took
-        (None for the prompt's prefill, whose forward pass says nothing of a step's cost)."""
+        """After each verification: the `draft` (empty for a plain step), how many of its tokens
+        the verifier accepted, how many tokens the step committed, and what drafting and
+        verifying took (None for the prompt's prefill, whose forward pass says nothing of a
+        step's cost)."""
 
     def keep_alternative(self, source_row: int, target_row: int) -> None:
         """The verifier accepted an alternative: what the last verification computed at its row

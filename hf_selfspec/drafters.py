@@ -19,7 +19,7 @@ from .cache import DraftAwareCache, cache_keyword
 from .decoding_types import LOOKUP_SOURCE, DecodingState, Draft, Drafter
 from .layer_skip import SkippingDecoder, decoder_layers
 from .lookup_corpus import LookupCorpus
-from .policies import DraftSourceChoice, ExitPolicy, LookupLength
+from .policies import Backoff, DraftSourceChoice, ExitPolicy, LookupLength
 from .selection import TokenSelector
 
 
@@ -274,6 +274,13 @@ class PromptLookupDrafter(Drafter):
     n-gram often predicts several tokens at no model cost; where nothing matches, the model-based
     fallback still proposes. How much of the match is proposed is `length`'s to decide, and
     where both could propose, `sources` picks which one does; both learn from every verification.
+
+    Where nothing matches, `model_backoff` decides whether the model drafts or the step decodes
+    plainly, by which has committed tokens more cheaply in this request at such steps. The
+    loop's own back-off cannot tell: it weighs speculation as a whole, and where the text copies
+    (a translation looping on itself) lookup's long accepted runs keep speculation ahead, while
+    the model's drafts at the steps between them, on text it predicts poorly, are rejected one
+    after another and cost more than the plain steps they replace.
     """
 
     def __init__(
@@ -284,10 +291,13 @@ class PromptLookupDrafter(Drafter):
         length: LookupLength,
         max_draft_tokens: int,
         sources: DraftSourceChoice,
+        model_backoff: Backoff,
         corpus: LookupCorpus | None = None,
     ):
         self.fallback, self.length, self.sources, self.corpus = fallback, length, sources, corpus
         self.min_ngram, self.max_ngram, self.max_draft_tokens = min_ngram, max_ngram, max_draft_tokens
+        self.model_backoff = model_backoff
+        self.nothing_to_copy = False  # whether the step being verified found no match to propose
 
     def propose_free(self, state, max_tokens):
         tokens = lookup_proposal(
@@ -300,11 +310,19 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, state, max_tokens, exit_policy, selector):
         draft = self.propose_free(state, max_tokens)
+        self.nothing_to_copy = not draft.tokens
         if draft.tokens and self.sources.lookup_first():
             return draft
+        if self.nothing_to_copy and not self.model_backoff.should_speculate():
+            return draft  # empty: a plain step
         return self.fallback.propose(state, min(max_tokens, self.max_draft_tokens), exit_policy, selector)
 
     def record(self, draft: Draft, accepted: int, committed: int, seconds: float | None) -> None:
+        if self.nothing_to_copy and seconds is not None:
+            self.model_backoff.record(len(draft.tokens), committed, seconds)
+        self.nothing_to_copy = False
+        if not draft.tokens:
+            return
         from_lookup = draft.source == LOOKUP_SOURCE
         if from_lookup:
             self.length.update(len(draft.tokens), accepted)

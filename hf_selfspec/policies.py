@@ -205,19 +205,19 @@ class ThroughputBackoff(Backoff):
     chat prompts the back-off still backs a layer-skip draft off early: its first measured
     steps already lose by half.
 
-    Speculation is measured over its first `_FIRST_SPECULATIVE_STEPS` steps (averaged as
-    `Throughput` says) before the two modes are first compared. One step says little: a draft
-    accepted at 40% per token has its first token rejected more often than not, and judged by
-    that step alone a draft that pays was backed off at the start of most texts, to be probed
-    back only slowly (docs/results/ has the comparison). A draft that loses at every step pays for
-    eight of them once.
+    Speculation is measured over its first `first_speculative_steps` steps (eight unless told;
+    averaged as `Throughput` says) before the two modes are first compared. One step says
+    little: a draft accepted at 40% per token has its first token rejected more often than not,
+    and judged by that step alone a draft that pays was backed off at the start of most texts,
+    to be probed back only slowly (docs/results/ has the comparison). A draft that loses at
+    every step pays for those steps once.
     Lossless either way: it only decides whether to propose.
     """
 
     _FIRST_SPECULATIVE_STEPS = 8
 
-    def __init__(self, probe_interval: int):
-        self.modes = _CheaperOfTwo(probe_interval, self._FIRST_SPECULATIVE_STEPS)
+    def __init__(self, probe_interval: int, first_speculative_steps: int = _FIRST_SPECULATIVE_STEPS):
+        self.modes = _CheaperOfTwo(probe_interval, first_speculative_steps)
 
     def should_speculate(self) -> bool:
         return self.modes.favoured_runs()

@@ -75,6 +75,18 @@ class Strategy:
             return ThroughputBackoff(params.backoff_probe_interval)
         return Backoff()
 
+    # Where lookup has nothing, the model's draft is measured over this many steps before it is
+    # compared with plain steps: a 64-token answer has only a dozen or two such steps, and the
+    # loop's eight would spend most of them measuring a draft that the text may never take.
+    MODEL_DRAFT_FIRST_STEPS = 3
+
+    def build_model_draft_backoff(self, params: SelfSpecParams) -> Backoff:
+        """Whether the model drafts where prompt lookup has nothing to propose, or the step
+        decodes plainly (`PromptLookupDrafter`); on and off with the loop's back-off."""
+        if params.backoff_probe_interval:
+            return ThroughputBackoff(params.backoff_probe_interval, self.MODEL_DRAFT_FIRST_STEPS)
+        return Backoff()
+
     def build_lookup_length(self, params: SelfSpecParams) -> LookupLength:
         if params.prompt_lookup_max_tokens:
             return AdaptiveLookupLength(params.prompt_lookup_tokens, params.prompt_lookup_max_tokens)
@@ -96,6 +108,7 @@ class Strategy:
             self.build_lookup_length(params),
             params.max_draft_tokens,
             self.build_draft_source_choice(params),
+            self.build_model_draft_backoff(params),
             corpus,
         )
 

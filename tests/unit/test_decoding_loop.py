@@ -145,7 +145,8 @@ def test_the_loop_commits_plain_greedys_text_and_counts_each_step():
     assert [positions[0] for _, positions in verifier.calls] == [0, 3, 6, 9, 10, 11]
     assert all(cached == positions[0] for cached, positions in verifier.calls)
     assert drafter.limits == [4, 4, 2, 1]  # max_proposal_tokens, then the room before max_length
-    assert drafter.records == [(2, 3, True), (2, 3, True), (0, 1, True)]
+    # The drafter hears every step: the untimed prefill, the three verifications, and both plain steps.
+    assert drafter.records == [(0, 1, False), (2, 3, True), (2, 3, True), (0, 1, True), (0, 1, True), (0, 1, True)]
     # After every step the cache keeps the committed text but its newest token, and only that.
     assert drafter.rollbacks == [3, 6, 9, 10, 11, 12]
     assert cached_text(cache) == entries_of(TEXT[:12])
@@ -159,7 +160,7 @@ def test_an_eos_inside_an_accepted_draft_ends_the_text_there():
     assert result.sequences.tolist() == [TEXT[:7]]  # the accepted tokens after EOS are not committed
     assert (result.stats.drafted_tokens, result.stats.accepted_tokens) == (4, 4)
     assert (result.stats.verification_steps, result.stats.plain_steps) == (1, 0)
-    assert drafter.records == [(4, 3, True)]
+    assert drafter.records == [(0, 1, False), (4, 3, True)]
     assert len(verifier.calls) == 2
     assert cached_text(cache) == entries_of(TEXT[:6])
 
@@ -180,7 +181,7 @@ def test_an_accepted_alternative_moves_its_kv_to_the_token_it_replaced():
     # The chain (the newest committed token and 3 drafted), then both alternatives at position 5.
     assert verifier.calls[1] == (3, [3, 4, 5, 6, 5, 5])
     assert drafter.kept_alternatives == [(5, 2)]  # rows counted from the verification's first input
-    assert drafter.records == [(2, 3, True)]
+    assert drafter.records == [(0, 1, False), (2, 3, True), (0, 1, True)]
     assert cached_text(cache) == entries_of(TEXT[:7])
 
 

@@ -304,11 +304,11 @@ class _ScriptedDraft(hf_selfspec.decoding_types.Drafter):
 def test_lookup_drafter_learns_its_length_from_the_verifier_and_passes_the_model_its_feedback():
     from hf_selfspec.decoding_types import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState
     from hf_selfspec.drafters import PromptLookupDrafter
-    from hf_selfspec.policies import AdaptiveLookupLength, DraftSourceChoice
+    from hf_selfspec.policies import AdaptiveLookupLength, Backoff, DraftSourceChoice
 
     model = _ScriptedDraft([90, 91, 92])
     drafter = PromptLookupDrafter(model, 1, 1, AdaptiveLookupLength(2, 8), max_draft_tokens=2,
-                                  sources=DraftSourceChoice())
+                                  sources=DraftSourceChoice(), model_backoff=Backoff())
     text = [7] + list(range(10, 30)) + [7]  # "7" recurs: lookup copies what followed it the first time
     sequence = torch.zeros((1, 64), dtype=torch.long)
     sequence[0, : len(text)] = torch.tensor(text)
@@ -328,6 +328,45 @@ def test_lookup_drafter_learns_its_length_from_the_verifier_and_passes_the_model
     assert (draft.source, draft.tokens) == (MODEL_SOURCE, [90, 91])
     drafter.record(draft, 1, 2, None)
     assert model.feedback == [([90, 91], 1, 2, None)] and drafter.length.tokens == 2
+
+
+class _ScriptedBackoff(hf_selfspec.policies.Backoff):
+    """Says whether to speculate from a script, recording what it is told."""
+
+    def __init__(self, answers: list[bool]):
+        self.answers, self.heard = answers, []
+
+    def should_speculate(self):
+        return self.answers.pop(0)
+
+    def record(self, drafted, committed, seconds):
+        self.heard.append((drafted, committed, seconds))
+
+
+def test_where_lookup_has_nothing_the_model_drafts_only_while_its_own_backoff_lets_it():
+    from hf_selfspec.decoding_types import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState
+    from hf_selfspec.drafters import PromptLookupDrafter
+    from hf_selfspec.policies import DraftSourceChoice, LookupLength
+
+    model, backoff = _ScriptedDraft([90, 91]), _ScriptedBackoff([True, False])
+    drafter = PromptLookupDrafter(model, 1, 1, LookupLength(2), max_draft_tokens=2, sources=DraftSourceChoice(),
+                                  model_backoff=backoff)
+    text = [5, 6, 7, 8, 6]  # "6" recurs once the text reaches its end; nothing recurs before that
+    sequence = torch.zeros((1, 16), dtype=torch.long)
+    sequence[0, : len(text)] = torch.tensor(text)
+
+    def step(length, accepted, committed):
+        draft = drafter.propose(DecodingState(sequence, torch.arange(16)[None], length), 8, None, None)
+        drafter.record(draft, accepted, committed, 0.5)
+        return draft.source, draft.tokens
+
+    assert step(3, 1, 2) == (MODEL_SOURCE, [90, 91])  # nothing to copy, and the back-off lets the model draft
+    assert step(4, 0, 1) == (LOOKUP_SOURCE, [])  # nothing to copy, the back-off says no: a plain step
+    assert step(5, 2, 3) == (LOOKUP_SOURCE, [7, 8])  # a match: lookup proposes, the back-off is not asked
+    assert backoff.answers == []
+    # It measures exactly the steps it decided: the model's draft, then the plain step.
+    assert backoff.heard == [(2, 2, 0.5), (0, 1, 0.5)]
+    assert model.feedback == [([90, 91], 1, 2, 0.5)]  # the model hears only of its own draft
 
 
 class _RecordingLength(hf_selfspec.policies.AdaptiveLookupLength):
