@@ -206,9 +206,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--contenders",
         metavar="NAME[,NAME...]",
-        help="run only these contenders besides the baseline, for example "
-        "'prompt_lookup,target_confidence_gated' to leave out the slow early exit "
-        "(default: all; names as in the table)",
+        help="run only these contenders besides the baseline and those that --custom-generate and "
+        "--compare-config ask for, for example 'prompt_lookup,target_confidence_gated' to leave out "
+        "the slow early exit (default: all; names as in the table)",
     )
     parser.add_argument(
         "--device", help="device to run on, e.g. cpu, cuda or cuda:1 (default: cuda when available, else cpu)"
@@ -314,9 +314,9 @@ def _load_assistant(path: str, tokenizer, device: str, dtype):
 
 
 def select_contenders(contenders: list, names: str | None) -> list:
-    """The baseline and the named contenders, in the bench's own order; every contender when
-    `names` is None."""
-    from .contenders import BASELINE
+    """The baseline, the packaged profile (there only when `--custom-generate` asked for it) and
+    the named contenders, in the bench's own order; every contender when `names` is None."""
+    from .contenders import BASELINE, CUSTOM_GENERATE
 
     if names is None:
         return contenders
@@ -328,7 +328,7 @@ def select_contenders(contenders: list, names: str | None) -> list:
             f"--contenders {names}: unknown {', '.join(unknown) or 'empty list'}; "
             f"choose from {', '.join(sorted(known - {BASELINE}))}"
         )
-    return [contender for contender in contenders if contender.name == BASELINE or contender.name in wanted]
+    return [contender for contender in contenders if contender.name in wanted | {BASELINE, CUSTOM_GENERATE}]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -298,9 +298,11 @@ def test_custom_generate_contender_runs_the_tuned_profile_through_the_package(ti
     folder = package(config, tmp_path / "package").folder
     output = tmp_path / "out"
     argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output)]
-    argv += ["--config", str(config), "--custom-generate", str(folder), "--contenders", "self_speculative,custom_generate"]
+    # Asked for by --custom-generate, the packaged contender runs without being named in --contenders.
+    argv += ["--config", str(config), "--custom-generate", str(folder), "--contenders", "self_speculative"]
     assert main([*argv, *BENCH_FLAGS]) == 0
     results = {c["name"]: c for c in json.loads((output / "results.json").read_text())["contenders"]}
+    assert set(results) == {BASELINE, "custom_generate", "self_speculative"}
     packaged, installed = results["custom_generate"], results["self_speculative"]
     assert packaged["identical"] is True and packaged["verifications"] > 0
     assert packaged["generate_kwargs"]["custom_generate"] == str(folder)
