@@ -7,6 +7,7 @@ drawn from, which speculative sampling needs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -233,36 +234,38 @@ class AssistantDrafter(Drafter):
         self.cache.rollback(self.kv_length)
 
 
-def lookup_continuation(sequence: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
-    """What followed the earliest earlier occurrence of the longest matching suffix n-gram of the
-    1-D `sequence` (at most `max_tokens` tokens; empty if no n-gram of `min_ngram` to
-    `max_ngram` tokens recurs).
+@dataclass
+class LookupMatch:
+    """Where the text's current n-gram occurred before, and how far back the text agrees there."""
+
+    follow: int  # where the earlier occurrence's continuation starts
+    reach: int  # how many of the text's last tokens equal those before `follow` (the n-gram and on)
+
+
+def earliest_match(sequence: torch.Tensor, min_ngram: int, max_ngram: int, max_reach: int) -> LookupMatch | None:
+    """The earliest earlier occurrence of the longest matching suffix n-gram of the 1-D
+    `sequence` (None if no n-gram of `min_ngram` to `max_ngram` tokens recurs), with its reach
+    counted up to `max_reach`.
 
     The earliest occurrence, as transformers' prompt lookup takes it: it is usually in the prompt
     (a signature, a docstring example), with a long continuation behind it, while the latest is
     often a repeat a few tokens back whose continuation the end of the text cuts short, so the
     latest occurrence costs more verifications.
     """
-    for ngram in range(min(max_ngram, sequence.shape[0] - 1), min_ngram - 1, -1):
+    length = sequence.shape[0]
+    for ngram in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         pattern = sequence[-ngram:]
         windows = sequence[:-1].unfold(0, ngram, 1)  # every earlier n-gram, by start index
         starts = torch.nonzero((windows == pattern).all(dim=1)).flatten()
         if starts.numel():
+            start = int(starts[0])
             # windows end before the last token, so a continuation always exists
-            follow = int(starts[0]) + ngram
-            return sequence[follow : follow + max_tokens].tolist()
-    return []
-
-
-def lookup_proposal(
-    text: torch.Tensor, min_ngram: int, max_ngram: int, max_tokens: int, corpus: LookupCorpus | None = None
-) -> list[int]:
-    """What prompt lookup proposes after the 1-D `text`: its own continuation of the current
-    n-gram, else the corpus's (the model's writing elsewhere), else nothing."""
-    tokens = lookup_continuation(text, min_ngram, max_ngram, max_tokens)
-    if not tokens and corpus is not None:
-        tokens = corpus.continuation(text, min_ngram, max_ngram, max_tokens)
-    return tokens
+            back = min(start, max(max_reach - ngram, 0))
+            before_match = sequence[start - back : start].flip(0)
+            before_end = sequence[length - ngram - back : length - ngram].flip(0)
+            agreeing = int((before_match == before_end).cumprod(0).sum()) if back else 0
+            return LookupMatch(follow=start + ngram, reach=ngram + agreeing)
+    return None
 
 
 class PromptLookupDrafter(Drafter):
@@ -272,16 +275,26 @@ class PromptLookupDrafter(Drafter):
 
     Code and edits repeat their own context (names, signatures, docstrings), so a matching
     n-gram often predicts several tokens at no model cost; where nothing matches, the model-based
-    fallback still proposes. How much of the match is proposed is `length`'s to decide, and
-    where both could propose, `sources` picks which one does; both learn from every verification.
+    fallback still proposes. How much of a match is proposed is `length`'s to decide for the
+    text and `corpus_length`'s for the corpus: the two are copied at different rates (a
+    translation copies its own text for dozens of tokens while the corpus, in another language,
+    is cut at once), and one length for both let each source's cuts shorten the other's
+    proposals. Where both lookup and the model could propose, `sources` picks which one does;
+    all of them learn from every verification.
 
-    Where nothing matches, `model_backoff` decides whether the model drafts or the step decodes
-    plainly, by which has committed tokens more cheaply in this request at such steps. The
-    loop's own back-off cannot tell: it weighs speculation as a whole, and where the text copies
-    (a translation looping on itself) lookup's long accepted runs keep speculation ahead, while
-    the model's drafts at the steps between them, on text it predicts poorly, are rejected one
-    after another and cost more than the plain steps they replace.
+    Where the text has no match, the corpus and then the model propose only while their
+    back-offs (`corpus_backoff`, `model_backoff`) let them: each weighs the steps its source
+    proposed against the steps it did not, by which committed tokens more cheaply in this
+    request. The loop's own back-off cannot tell: it weighs speculation as a whole, and where
+    the text copies (a translation looping on itself) lookup's long accepted runs keep
+    speculation ahead, while the proposals at the steps between them, on text the corpus or the
+    model predicts poorly (the corpus may not even be in the text's language), are rejected one
+    after another and cost more than the plain steps they replace. One back-off for both would
+    let the model's rejected drafts silence a corpus that pays (open writing in the corpus's
+    own style).
     """
+
+    TEXT, CORPUS, MODEL = "text", "corpus", "model"
 
     def __init__(
         self,
@@ -293,39 +306,74 @@ class PromptLookupDrafter(Drafter):
         sources: DraftSourceChoice,
         model_backoff: Backoff,
         corpus: LookupCorpus | None = None,
+        corpus_length: LookupLength | None = None,
+        corpus_backoff: Backoff | None = None,
     ):
-        self.fallback, self.length, self.sources, self.corpus = fallback, length, sources, corpus
+        if corpus is not None and (corpus_length is None or corpus_backoff is None):
+            raise ValueError("a lookup corpus needs a corpus_length and a corpus_backoff of its own")
+        self.fallback, self.length, self.sources = fallback, length, sources
+        self.corpus, self.corpus_length, self.corpus_backoff = corpus, corpus_length, corpus_backoff
         self.min_ngram, self.max_ngram, self.max_draft_tokens = min_ngram, max_ngram, max_draft_tokens
         self.model_backoff = model_backoff
-        self.nothing_to_copy = False  # whether the step being verified found no match to propose
+        # The step being verified: which source proposed (None: a plain step), and the back-offs
+        # that decided it, each with the source it governs.
+        self.proposer: str | None = None
+        self.asked: list[tuple[Backoff, str]] = []
 
     def propose_free(self, state, max_tokens):
-        tokens = lookup_proposal(
-            state.sequence[0, : state.length], self.min_ngram, self.max_ngram, min(max_tokens, self.length.tokens),
-            self.corpus,
-        )
-        if tokens:
-            state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
-        return Draft(tokens=tokens, source=LOOKUP_SOURCE)
+        draft = self._copy_text(state, max_tokens)
+        return draft if draft.tokens else self._copy_corpus(state, max_tokens)
 
     def propose(self, state, max_tokens, exit_policy, selector):
-        draft = self.propose_free(state, max_tokens)
-        self.nothing_to_copy = not draft.tokens
+        self.asked = []
+        draft = self._copy_text(state, max_tokens)
+        if not draft.tokens:
+            corpus_draft = self._copy_corpus(state, max_tokens)
+            if corpus_draft.tokens:
+                self.asked.append((self.corpus_backoff, self.CORPUS))
+                if self.corpus_backoff.should_speculate():
+                    draft = corpus_draft
         if draft.tokens and self.sources.lookup_first():
             return draft
-        if self.nothing_to_copy and not self.model_backoff.should_speculate():
-            return draft  # empty: a plain step
+        if not draft.tokens:
+            self.asked.append((self.model_backoff, self.MODEL))
+            if not self.model_backoff.should_speculate():
+                self.proposer = None
+                return draft  # empty: a plain step
+        self.proposer = self.MODEL
         return self.fallback.propose(state, min(max_tokens, self.max_draft_tokens), exit_policy, selector)
 
+    def _copy_text(self, state: DecodingState, max_tokens: int) -> Draft:
+        text = state.sequence[0, : state.length]
+        match = earliest_match(text, self.min_ngram, self.max_ngram, self.length.max_proposal_tokens)
+        if match is None:
+            return Draft(source=LOOKUP_SOURCE)
+        tokens = text[match.follow : match.follow + min(max_tokens, self.length.tokens_for(match.reach))]
+        return self._written(state, tokens.tolist(), self.TEXT)
+
+    def _copy_corpus(self, state: DecodingState, max_tokens: int) -> Draft:
+        if self.corpus is None:
+            return Draft(source=LOOKUP_SOURCE)
+        text = state.sequence[0, : state.length]
+        tokens = self.corpus.continuation(text, self.min_ngram, self.max_ngram, min(max_tokens, self.corpus_length.tokens))
+        return self._written(state, tokens, self.CORPUS)
+
+    def _written(self, state: DecodingState, tokens: list[int], source: str) -> Draft:
+        if tokens:
+            state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
+        self.proposer = source if tokens else None
+        return Draft(tokens=tokens, source=LOOKUP_SOURCE)
+
     def record(self, draft: Draft, accepted: int, committed: int, seconds: float | None) -> None:
-        if self.nothing_to_copy and seconds is not None:
-            self.model_backoff.record(len(draft.tokens), committed, seconds)
-        self.nothing_to_copy = False
+        if seconds is not None:
+            for backoff, source in self.asked:
+                backoff.record(len(draft.tokens) if source == self.proposer else 0, committed, seconds)
+        self.asked = []
         if not draft.tokens:
             return
         from_lookup = draft.source == LOOKUP_SOURCE
         if from_lookup:
-            self.length.update(len(draft.tokens), accepted)
+            (self.length if self.proposer == self.TEXT else self.corpus_length).update(len(draft.tokens), accepted)
         else:
             self.fallback.record(draft, accepted, committed, seconds)
         if seconds is not None:

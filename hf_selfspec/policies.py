@@ -232,6 +232,16 @@ class LookupLength:
     def __init__(self, tokens: int):
         self.tokens = tokens
 
+    @property
+    def max_proposal_tokens(self) -> int:
+        """The most tokens one proposal can take."""
+        return self.tokens
+
+    def tokens_for(self, reach: int) -> int:
+        """How many tokens to propose from a match whose reach is `reach`: that many of the
+        text's last tokens equal those before the matched continuation."""
+        return self.tokens
+
     def update(self, proposed: int, accepted: int) -> None:
         """Called after each verification of a lookup proposal of `proposed` tokens."""
 
@@ -249,11 +259,28 @@ class AdaptiveLookupLength(LookupLength):
     few of them bring the length down to one. One token is the floor: its verification costs
     barely more than a plain step, and it keeps the lookup watching for the next copied stretch.
     The length only decides how much of the match is proposed, so decoding stays lossless.
+
+    A match that reaches `COPY_REACH` or more tokens back is evidence enough on its own: the
+    text is repeating a stretch it wrote or read verbatim (a translation looping on itself, a
+    quoted line), so the length jumps to the reach rather than climbing there from one token
+    by doubling, which cost a copied stretch three or four verifications each time it resumed.
+    A short match (one or two tokens, which free text matches by chance) leaves it as it is.
     """
+
+    COPY_REACH = 4
 
     def __init__(self, tokens: int, max_tokens: int):
         super().__init__(tokens)
         self.max_tokens = max_tokens
+
+    @property
+    def max_proposal_tokens(self) -> int:
+        return self.max_tokens
+
+    def tokens_for(self, reach: int) -> int:
+        if reach >= self.COPY_REACH:
+            self.tokens = max(self.tokens, min(reach, self.max_tokens))
+        return self.tokens
 
     def update(self, proposed: int, accepted: int) -> None:
         if accepted >= proposed:

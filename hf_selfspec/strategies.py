@@ -75,16 +75,17 @@ class Strategy:
             return ThroughputBackoff(params.backoff_probe_interval)
         return Backoff()
 
-    # Where lookup has nothing, the model's draft is measured over this many steps before it is
-    # compared with plain steps: a 64-token answer has only a dozen or two such steps, and the
-    # loop's eight would spend most of them measuring a draft that the text may never take.
-    MODEL_DRAFT_FIRST_STEPS = 3
+    # Where the text has nothing to copy, the corpus's proposals and the model's drafts are each
+    # measured over this many steps before they are compared with the steps without them: a
+    # 64-token answer has only a dozen or two such steps, and the loop's eight would spend most
+    # of them measuring proposals that the text may never take.
+    UNMATCHED_FIRST_STEPS = 3
 
-    def build_model_draft_backoff(self, params: SelfSpecParams) -> Backoff:
-        """Whether the model drafts where prompt lookup has nothing to propose, or the step
-        decodes plainly (`PromptLookupDrafter`); on and off with the loop's back-off."""
+    def build_unmatched_backoff(self, params: SelfSpecParams) -> Backoff:
+        """Whether the corpus, or the model, proposes where the text itself has nothing to copy
+        (`PromptLookupDrafter` asks one for each); on and off with the loop's back-off."""
         if params.backoff_probe_interval:
-            return ThroughputBackoff(params.backoff_probe_interval, self.MODEL_DRAFT_FIRST_STEPS)
+            return ThroughputBackoff(params.backoff_probe_interval, self.UNMATCHED_FIRST_STEPS)
         return Backoff()
 
     def build_lookup_length(self, params: SelfSpecParams) -> LookupLength:
@@ -108,8 +109,10 @@ class Strategy:
             self.build_lookup_length(params),
             params.max_draft_tokens,
             self.build_draft_source_choice(params),
-            self.build_model_draft_backoff(params),
+            self.build_unmatched_backoff(params),
             corpus,
+            self.build_lookup_length(params) if corpus is not None else None,
+            self.build_unmatched_backoff(params) if corpus is not None else None,
         )
 
     def build_model_drafter(

@@ -78,29 +78,55 @@ def test_closed_gate_still_verifies_free_prompt_lookup_proposals():
     assert with_lookup.sequences.tolist() == without_lookup.sequences.tolist() == plain.tolist()
 
 
+def _continuation(sequence, min_ngram, max_ngram, max_tokens):
+    from hf_selfspec.drafters import earliest_match
+
+    match = earliest_match(sequence, min_ngram, max_ngram, max_reach=16)
+    return [] if match is None else sequence[match.follow : match.follow + max_tokens].tolist()
+
+
 def test_lookup_needs_a_match_of_at_least_min_ngram_tokens():
-    import torch
-
-    from hf_selfspec.drafters import lookup_continuation
-
     # "7 8" recurs only as the single token 8 (followed by 9 earlier): a one-token match.
     one_token = torch.tensor([5, 8, 9, 10, 11, 7, 8])
-    assert lookup_continuation(one_token, 1, 3, 4) == [9, 10, 11, 7]
-    assert lookup_continuation(one_token, 2, 3, 4) == []
+    assert _continuation(one_token, 1, 3, 4) == [9, 10, 11, 7]
+    assert _continuation(one_token, 2, 3, 4) == []
     # "10 11" recurs: the two-token match proposes what followed it, the longest match wins.
     two_tokens = torch.tensor([10, 11, 4, 5, 6, 2, 10, 11])
-    assert lookup_continuation(two_tokens, 2, 3, 2) == [4, 5]
+    assert _continuation(two_tokens, 2, 3, 2) == [4, 5]
 
 
 def test_lookup_copies_the_earliest_occurrence_as_transformers_does():
-    import torch
-
-    from hf_selfspec.drafters import lookup_continuation
-
     # "3 4" occurs at 0 (followed by 5 6 7 8) and at 5 (followed by 9, then the end of the text);
     # the earliest has the longer continuation and is the one transformers' prompt lookup copies.
     sequence = torch.tensor([3, 4, 5, 6, 7, 3, 4, 9, 3, 4])
-    assert lookup_continuation(sequence, 2, 2, 4) == [5, 6, 7, 3]
+    assert _continuation(sequence, 2, 2, 4) == [5, 6, 7, 3]
+
+
+def test_a_match_reaches_back_as_far_as_the_text_agrees_with_it_up_to_the_bound():
+    from hf_selfspec.drafters import earliest_match
+
+    # The text ends repeating "1 2 3 4 5 6" verbatim; a 2-gram search finds "5 6", and the text
+    # before it agrees for four more tokens back, where 0 and 9 differ.
+    sequence = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6])
+    match = earliest_match(sequence, 1, 2, max_reach=16)
+    assert (match.follow, match.reach) == (7, 6)
+    assert earliest_match(sequence, 1, 2, max_reach=4).reach == 4  # counted no further than needed
+    # A match at the very start of the text has nothing before it: its reach is the n-gram.
+    assert earliest_match(torch.tensor([5, 6, 9, 5, 6]), 1, 2, max_reach=16).reach == 2
+    assert earliest_match(torch.tensor([5, 6, 9, 8]), 1, 2, max_reach=16) is None
+
+
+def test_an_adaptive_length_jumps_to_a_long_reach_and_ignores_a_short_one():
+    from hf_selfspec.policies import AdaptiveLookupLength, LookupLength
+
+    length = AdaptiveLookupLength(tokens=1, max_tokens=12)
+    assert length.tokens_for(AdaptiveLookupLength.COPY_REACH - 1) == 1  # a chance match moves nothing
+    assert length.tokens_for(7) == 7  # a verbatim repeat of seven tokens: propose seven at once
+    assert length.tokens_for(30) == 12  # never past the bound
+    assert length.tokens_for(5) == 12  # a reach never shortens what whole acceptances earned
+    length.update(12, 3)
+    assert length.tokens == 7  # cuts still halve the way down
+    assert LookupLength(3).tokens_for(30) == 3  # a fixed length stays fixed
 
 
 # Speculative steps the back-off measures before it first compares the two modes.
@@ -367,6 +393,44 @@ def test_where_lookup_has_nothing_the_model_drafts_only_while_its_own_backoff_le
     # It measures exactly the steps it decided: the model's draft, then the plain step.
     assert backoff.heard == [(2, 2, 0.5), (0, 1, 0.5)]
     assert model.feedback == [([90, 91], 1, 2, 0.5)]  # the model hears only of its own draft
+
+
+def test_the_corpus_proposes_only_while_its_own_backoff_lets_it_and_learns_a_length_of_its_own():
+    from hf_selfspec.decoding_types import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState
+    from hf_selfspec.drafters import PromptLookupDrafter
+    from hf_selfspec.lookup_corpus import LookupCorpus
+    from hf_selfspec.policies import AdaptiveLookupLength, DraftSourceChoice
+
+    corpus_backoff, model_backoff = _ScriptedBackoff([True, False, True, False]), _ScriptedBackoff([False, True])
+    model = _ScriptedDraft([90])
+    drafter = PromptLookupDrafter(
+        model, 1, 1, AdaptiveLookupLength(4, 8), max_draft_tokens=1, sources=DraftSourceChoice(),
+        model_backoff=model_backoff, corpus=LookupCorpus([[40, 41, 42, 43, 44, 45]]),
+        corpus_length=AdaptiveLookupLength(4, 8), corpus_backoff=corpus_backoff,
+    )
+    unmatched = [5, 6, 40]  # "40" never occurred in the text; the corpus knows what follows it
+    matched = [9, 10, 11, 12, 13, 14, 9]  # "9" recurs: the text itself has a continuation
+
+    def step(text, accepted):
+        sequence = torch.zeros((1, 32), dtype=torch.long)
+        sequence[0, : len(text)] = torch.tensor(text)
+        draft = drafter.propose(DecodingState(sequence, torch.arange(32)[None], len(text)), 16, None, None)
+        drafter.record(draft, accepted, accepted + 1, 0.5)
+        return draft.source, draft.tokens
+
+    with pytest.raises(ValueError, match="corpus_length and a corpus_backoff"):
+        PromptLookupDrafter(model, 1, 1, AdaptiveLookupLength(4, 8), 1, DraftSourceChoice(), model_backoff,
+                            corpus=LookupCorpus([[1, 2]]), corpus_length=AdaptiveLookupLength(4, 8))
+    assert step(unmatched, 0) == (LOOKUP_SOURCE, [41, 42, 43, 44])  # the corpus may propose; all rejected
+    assert step(unmatched, 0) == (LOOKUP_SOURCE, [])  # neither back-off lets its source propose: plain
+    assert step(matched, 4) == (LOOKUP_SOURCE, [10, 11, 12, 13])  # the text's length was not cut by the corpus's
+    assert step(unmatched, 0) == (LOOKUP_SOURCE, [41, 42])  # the corpus's own length was: halved on its cut
+    assert step(unmatched, 0) == (MODEL_SOURCE, [90])  # the corpus backed off, the model may draft
+    assert corpus_backoff.answers == model_backoff.answers == []
+    # Each back-off hears the steps it decided, as its source's (drafted tokens) or not (0).
+    assert corpus_backoff.heard == [(4, 1, 0.5), (0, 1, 0.5), (2, 1, 0.5), (0, 1, 0.5)]
+    assert model_backoff.heard == [(0, 1, 0.5), (1, 1, 0.5)]
+    assert model.feedback == [([90], 0, 1, 0.5)]
 
 
 class _RecordingLength(hf_selfspec.policies.AdaptiveLookupLength):
