@@ -125,7 +125,8 @@ def speculative_decode(
 
         # Draft: the back-off decides whether to speculate at all, the gate whether the model
         # drafts; proposals that cost no forward pass (prompt lookup) need only the back-off,
-        # and ride along with the prompt's prefill, whose forward pass is wide anyway.
+        # and ride along with the prompt's prefill, whose forward pass is wide anyway. Where the
+        # back-off says no, it may still let a verbatim repeat through.
         started = clock.step_started()
         draft = Draft()
         room = max_length - state.length
@@ -138,6 +139,8 @@ def speculative_decode(
                 cache.rollback(kv_length)  # the draft's own KV is not the full model's
             else:
                 draft = parts.drafter.propose_free(state, limit)
+        elif limit > 0 and parts.backoff.verifies_verbatim:
+            draft = parts.drafter.propose_verbatim(state, limit)
         drafted = len(draft.tokens)
         drafting_ended = clock.drafted(draft)
         stats.draft_seconds += drafting_ended - started

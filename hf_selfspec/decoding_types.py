@@ -61,6 +61,11 @@ class Drafter:
         drafting; none by default."""
         return Draft()
 
+    def propose_verbatim(self, state: DecodingState, max_tokens: int) -> Draft:
+        """A proposal that repeats text verbatim, offered even while the back-off holds
+        speculation off: none by default."""
+        return Draft()
+
     def continue_from(self, state: DecodingState, cached_length: int) -> None:
         """The shared cache arrives holding the KV of the text's first `cached_length` tokens (a
         chat's earlier turns; 0 for a new text), computed before this drafter existed."""

@@ -20,7 +20,7 @@ from .cache import DraftAwareCache, cache_keyword
 from .decoding_types import LOOKUP_SOURCE, DecodingState, Draft, Drafter
 from .layer_skip import SkippingDecoder, decoder_layers
 from .lookup_corpus import LookupCorpus
-from .policies import Backoff, DraftSourceChoice, ExitPolicy, LookupLength
+from .policies import VERBATIM_REACH, Backoff, DraftSourceChoice, ExitPolicy, LookupLength
 from .selection import TokenSelector
 
 
@@ -343,11 +343,14 @@ class PromptLookupDrafter(Drafter):
         self.proposer = self.MODEL
         return self.fallback.propose(state, min(max_tokens, self.max_draft_tokens), exit_policy, selector)
 
-    def _copy_text(self, state: DecodingState, max_tokens: int) -> Draft:
+    def propose_verbatim(self, state, max_tokens):
+        return self._copy_text(state, max_tokens, min_reach=VERBATIM_REACH)
+
+    def _copy_text(self, state: DecodingState, max_tokens: int, min_reach: int = 1) -> Draft:
         text = state.sequence[0, : state.length]
-        match = earliest_match(text, self.min_ngram, self.max_ngram, self.length.max_proposal_tokens)
-        if match is None:
-            return Draft(source=LOOKUP_SOURCE)
+        match = earliest_match(text, self.min_ngram, self.max_ngram, max(self.length.max_proposal_tokens, min_reach))
+        if match is None or match.reach < min_reach:
+            return self._written(state, [], self.TEXT)
         tokens = text[match.follow : match.follow + min(max_tokens, self.length.tokens_for(match.reach))]
         return self._written(state, tokens.tolist(), self.TEXT)
 

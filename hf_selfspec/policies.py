@@ -93,6 +93,11 @@ class TargetConfidenceGate(Gate):
 class Backoff:
     """Never back off: speculate at every step the room allows."""
 
+    # Whether a verbatim repeat (`Drafter.propose_verbatim`) is verified even at a step where
+    # this back-off says not to speculate; a back-off that refuses keeps decoding plain unless
+    # it says so.
+    verifies_verbatim = False
+
     def should_speculate(self) -> bool:
         return True
 
@@ -211,9 +216,14 @@ class ThroughputBackoff(Backoff):
     and judged by that step alone a draft that pays was backed off at the start of most texts,
     to be probed back only slowly (docs/results/ has the comparison). A draft that loses at
     every step pays for those steps once.
+    Where speculation loses, a verbatim repeat of the text (`VERBATIM_REACH` tokens or more) is
+    still verified: the average says proposals are rejected, but a repeat's acceptance shows
+    before verifying it (a reply quoting the question, a list going on as it began), and a
+    wait for the next probe missed it.
     Lossless either way: it only decides whether to propose.
     """
 
+    verifies_verbatim = True
     _FIRST_SPECULATIVE_STEPS = 8
 
     def __init__(self, probe_interval: int, first_speculative_steps: int = _FIRST_SPECULATIVE_STEPS):
@@ -246,6 +256,11 @@ class LookupLength:
         """Called after each verification of a lookup proposal of `proposed` tokens."""
 
 
+# A lookup match whose text agrees with the end of the text for this many tokens or more (its
+# reach) is a verbatim repeat, not a chance match: a translation looping on itself, a quoted line.
+VERBATIM_REACH = 4
+
+
 class AdaptiveLookupLength(LookupLength):
     """The lookup length follows how far the text has been copying in this request.
 
@@ -260,14 +275,12 @@ class AdaptiveLookupLength(LookupLength):
     barely more than a plain step, and it keeps the lookup watching for the next copied stretch.
     The length only decides how much of the match is proposed, so decoding stays lossless.
 
-    A match that reaches `COPY_REACH` or more tokens back is evidence enough on its own: the
-    text is repeating a stretch it wrote or read verbatim (a translation looping on itself, a
-    quoted line), so the length jumps to the reach rather than climbing there from one token
-    by doubling, which cost a copied stretch three or four verifications each time it resumed.
+    A match that reaches `VERBATIM_REACH` or more tokens back is evidence enough on its own: the
+    text is repeating a stretch it wrote or read verbatim, so the length jumps to the reach
+    rather than climbing there from one token by doubling, which cost a copied stretch three or
+    four verifications each time it resumed.
     A short match (one or two tokens, which free text matches by chance) leaves it as it is.
     """
-
-    COPY_REACH = 4
 
     def __init__(self, tokens: int, max_tokens: int):
         super().__init__(tokens)
@@ -278,7 +291,7 @@ class AdaptiveLookupLength(LookupLength):
         return self.max_tokens
 
     def tokens_for(self, reach: int) -> int:
-        if reach >= self.COPY_REACH:
+        if reach >= VERBATIM_REACH:
             self.tokens = max(self.tokens, min(reach, self.max_tokens))
         return self.tokens
 

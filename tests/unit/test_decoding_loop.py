@@ -101,21 +101,55 @@ class ScriptedDrafter(Drafter):
         self.kept_alternatives.append((source_row, target_row))
 
 
+class VerbatimDrafter(ScriptedDrafter):
+    """A scripted drafter that also offers scripted verbatim proposals, free as lookup's are."""
+
+    def __init__(self, cache: DraftAwareCache, script: list[Draft], verbatim: list[Draft]):
+        super().__init__(cache, script)
+        self.verbatim = list(verbatim)
+        self.verbatim_limits: list[int] = []
+
+    def propose_verbatim(self, state, max_tokens):
+        self.verbatim_limits.append(max_tokens)
+        tokens = self.verbatim.pop(0).tokens[:max_tokens]
+        state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return Draft(tokens)
+
+
+class HeldOff(Backoff):
+    """A back-off that never lets the loop speculate but lets verbatim repeats through (if told
+    to), recording what it is told."""
+
+    def __init__(self, verifies_verbatim: bool):
+        self.verifies_verbatim = verifies_verbatim
+        self.heard: list[tuple[int, int]] = []
+
+    def should_speculate(self):
+        return False
+
+    def record(self, drafted, committed, seconds):
+        self.heard.append((drafted, committed))
+
+
 def decode(prompt_length: int, max_length: int, script: list[Draft], max_proposal_tokens: int = 4,
-           eos_token_id: int | None = None, cache: DraftAwareCache | None = None):
+           eos_token_id: int | None = None, cache: DraftAwareCache | None = None,
+           backoff: Backoff | None = None, verbatim: list[Draft] | None = None):
     """Greedy decoding of TEXT's first `prompt_length` tokens up to `max_length`, as `generate`
-    runs the loop: its result, the verifier, the drafter and the cache, for the test to inspect."""
+    runs the loop: its result, the verifier, the drafter and the cache, for the test to inspect.
+    With `verbatim`, the drafter also offers those verbatim proposals when asked."""
     cache = DraftAwareCache() if cache is None else cache
-    verifier, drafter = ScriptedVerifier(), ScriptedDrafter(cache, script)
+    verifier = ScriptedVerifier()
+    drafter = ScriptedDrafter(cache, script) if verbatim is None else VerbatimDrafter(cache, script, verbatim)
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length)])
     if eos_token_id is not None:
         criteria.append(EosTokenCriteria(eos_token_id))
     result = speculative_decode(
-        verifier, cache, SpeculationParts(drafter, ExitPolicy(0.0), Gate(), Backoff()),
+        verifier, cache, SpeculationParts(drafter, ExitPolicy(0.0), Gate(), Backoff() if backoff is None else backoff),
         torch.tensor([TEXT[:prompt_length]]), TokenSelector(LogitsProcessorList(), do_sample=False), criteria,
         max_length, max_proposal_tokens, StrategyStats(),
     )
     assert drafter.script == []  # the loop asked for every scripted draft, and for no more
+    assert verbatim is None or drafter.verbatim == []
     return result, verifier, drafter, cache
 
 
@@ -150,6 +184,30 @@ def test_the_loop_commits_plain_greedys_text_and_counts_each_step():
     # After every step the cache keeps the committed text but its newest token, and only that.
     assert drafter.rollbacks == [3, 6, 9, 10, 11, 12]
     assert cached_text(cache) == entries_of(TEXT[:12])
+
+
+def test_while_the_backoff_holds_speculation_off_only_verbatim_proposals_are_verified():
+    """The back-off says no at every step, so the drafter is never asked for a draft; where the
+    back-off lets verbatim repeats through, it is asked for a verbatim proposal instead: none at the prefill, then three tokens taken whole,
+    then one rejected, and then there is no room left to propose."""
+    backoff = HeldOff(verifies_verbatim=True)
+    result, verifier, drafter, cache = decode(prompt_length=3, max_length=10, script=[], backoff=backoff,
+                                              verbatim=[Draft([]), Draft(TEXT[4:7]), Draft([WRONG])])
+    assert result.sequences.tolist() == [TEXT[:10]]
+    assert drafter.limits == [] and drafter.verbatim_limits == [4, 4, 1]
+    assert counters(result.stats) == {
+        "strategy": "", "drafted_tokens": 3 + 1, "accepted_tokens": 3, "acceptance_rate": 3 / 4,
+        "mean_accepted_length": 3 / 2, "verification_steps": 2, "plain_steps": 1, "accepted_alternatives": 0,
+        "accepted_lengths": [3, 0],
+    }
+    # The back-off hears the verbatim steps as speculation, the plain one as plain (not the prefill).
+    assert backoff.heard == [(3, 4), (1, 1), (0, 1)]
+    assert cached_text(cache) == entries_of(TEXT[:9])
+    # A back-off that does not let them through leaves plain steps only.
+    result, verifier, drafter, cache = decode(prompt_length=3, max_length=10, script=[],
+                                              backoff=HeldOff(verifies_verbatim=False), verbatim=[])
+    assert result.sequences.tolist() == [TEXT[:10]]
+    assert drafter.verbatim_limits == [] and result.stats.plain_steps == 6
 
 
 def test_an_eos_inside_an_accepted_draft_ends_the_text_there():

@@ -117,10 +117,10 @@ def test_a_match_reaches_back_as_far_as_the_text_agrees_with_it_up_to_the_bound(
 
 
 def test_an_adaptive_length_jumps_to_a_long_reach_and_ignores_a_short_one():
-    from hf_selfspec.policies import AdaptiveLookupLength, LookupLength
+    from hf_selfspec.policies import VERBATIM_REACH, AdaptiveLookupLength, LookupLength
 
     length = AdaptiveLookupLength(tokens=1, max_tokens=12)
-    assert length.tokens_for(AdaptiveLookupLength.COPY_REACH - 1) == 1  # a chance match moves nothing
+    assert length.tokens_for(VERBATIM_REACH - 1) == 1  # a chance match moves nothing
     assert length.tokens_for(7) == 7  # a verbatim repeat of seven tokens: propose seven at once
     assert length.tokens_for(30) == 12  # never past the bound
     assert length.tokens_for(5) == 12  # a reach never shortens what whole acceptances earned
@@ -431,6 +431,36 @@ def test_the_corpus_proposes_only_while_its_own_backoff_lets_it_and_learns_a_len
     assert corpus_backoff.heard == [(4, 1, 0.5), (0, 1, 0.5), (2, 1, 0.5), (0, 1, 0.5)]
     assert model_backoff.heard == [(0, 1, 0.5), (1, 1, 0.5)]
     assert model.feedback == [([90], 0, 1, 0.5)]
+
+
+def test_a_verbatim_proposal_copies_the_text_only_where_its_match_reaches_back_far_enough():
+    from hf_selfspec.decoding_types import LOOKUP_SOURCE, DecodingState
+    from hf_selfspec.drafters import PromptLookupDrafter
+    from hf_selfspec.lookup_corpus import LookupCorpus
+    from hf_selfspec.policies import VERBATIM_REACH, Backoff, DraftSourceChoice, LookupLength
+
+    model = _ScriptedDraft([90])
+    drafter = PromptLookupDrafter(
+        model, 1, 2, LookupLength(3), max_draft_tokens=1, sources=DraftSourceChoice(), model_backoff=Backoff(),
+        corpus=LookupCorpus([[9, 5, 70, 71]]), corpus_length=LookupLength(3), corpus_backoff=Backoff(),
+    )
+
+    def verbatim(text):
+        sequence = torch.zeros((1, 32), dtype=torch.long)
+        sequence[0, : len(text)] = torch.tensor(text)
+        draft = drafter.propose_verbatim(DecodingState(sequence, torch.arange(32)[None], len(text)), 16)
+        return draft.source, draft.tokens
+
+    # The text ends repeating "2 3 4 5": the match of "4 5" agrees with it for four tokens back.
+    assert VERBATIM_REACH == 4
+    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5]) == (LOOKUP_SOURCE, [6, 7, 8])
+    assert drafter.proposer == PromptLookupDrafter.TEXT
+    # Three tokens of agreement, a chance one-token match, or none: no proposal, not even from the
+    # corpus (which knows what follows "9 5") or the model.
+    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5]) == (LOOKUP_SOURCE, [])
+    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 5]) == (LOOKUP_SOURCE, [])
+    assert verbatim([1, 2, 3]) == (LOOKUP_SOURCE, [])
+    assert drafter.proposer is None and model.feedback == []
 
 
 class _RecordingLength(hf_selfspec.policies.AdaptiveLookupLength):
