@@ -3,9 +3,12 @@
 Speedup is computed per repeat, as the baseline's cost over a contender's cost on the same prompts
 in that repeat, and then summarised by median, min and max across repeats. Pairing within a repeat
 keeps machine drift between repeats out of the ratio; the median keeps one disturbed repeat from
-moving the headline figure. The cost is total seconds under greedy decoding, where every
-consistent contender writes the same tokens; under sampling, where lengths differ, it is seconds
-per generated token (total seconds over total tokens of the prompts).
+moving the headline figure. The cost is seconds per generated token (total seconds over total
+tokens of the prompts), greedy or sampled. Under sampling, lengths differ; so they do under greedy
+decoding in bfloat16 or float16, where a consistent contender may take the other side of a
+near-tie and reach the end of its answer sooner or later than plain decoding, and dividing total
+seconds would credit it for the tokens it did not write. Where the tokens are identical, the
+two costs give the same ratio.
 
 The ratio to transformers' prompt lookup pairs the same way, with lookup in the baseline's place:
 it is the figure ours must beat, since lookup comes free with transformers.
@@ -25,14 +28,9 @@ from .runner import Measurements
 FORMAT = "hf-selfspec-bench/2"
 UNCATEGORIZED = "uncategorized"
 # What a speedup divides (see the module docstring), named in `settings.speedup_metric`.
-SECONDS = "seconds"
 SECONDS_PER_TOKEN = "seconds_per_token"
 # The consistency verdict of a contender that sampled: no single output is right, so none is judged.
 SAMPLED = "sampled"
-
-
-def speedup_metric(measurements: Measurements) -> str:
-    return SECONDS if measurements.sampling is None else SECONDS_PER_TOKEN
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -118,8 +116,6 @@ def _totals(measurements: Measurements, name: str, prompt_indices: Sequence[int]
 def _costs(measurements: Measurements, name: str, prompt_indices: Sequence[int]) -> list[float]:
     """What a speedup divides, per repeat, over a subset of the prompts (see the module docstring)."""
     seconds, tokens = _totals(measurements, name, prompt_indices)
-    if measurements.sampling is None:
-        return seconds
     return [secs / count for secs, count in zip(seconds, tokens, strict=True)]
 
 
@@ -234,7 +230,7 @@ def results_document(
             "repeats": measurements.repeats,
             "warmup_runs_per_contender": 1,
             "sampling": sampling.to_json() if sampling is not None else None,
-            "speedup_metric": speedup_metric(measurements),
+            "speedup_metric": SECONDS_PER_TOKEN,
         },
         "skip_sets": skip_sets,
         "baseline": BASELINE,

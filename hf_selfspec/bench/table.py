@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..consistency import DIVERGENT, IDENTICAL, NEAR_TIE
-from .report import SAMPLED, SECONDS
+from .report import SAMPLED
 
 RED = "\033[31m"
 RESET = "\033[0m"
@@ -127,13 +127,13 @@ def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
 def _notes(results: dict[str, Any], color: bool) -> list[str]:
     settings, skip_sets = results["settings"], results["skip_sets"]
     default = skip_sets["default_params"]
-    cost = "seconds" if settings["speedup_metric"] == SECONDS else "seconds per generated token"
     lookup = results["lookup"]
     notes = [
         "",
         (
-            f"speedup: per repeat, baseline {cost} / contender {cost} over the same prompts; median, min and max "
-            f"over {settings['repeats']} repeat(s). accept: accepted / drafted tokens. "
+            "speedup: per repeat, baseline seconds per generated token / contender seconds per generated token "
+            f"over the same prompts; median, min and max over {settings['repeats']} repeat(s). "
+            "accept: accepted / drafted tokens. "
             "acc/verify: accepted tokens per verification."
             + (f" x lookup: the same ratio with {lookup} in the baseline's place." if lookup else "")
         ),

@@ -95,7 +95,7 @@ def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, promp
     assert {"device_name", "dtype", "torch", "transformers", "hf_selfspec"} <= set(machine)
     assert results["command"]["max_new_tokens"] == 8
     assert results["skip_sets"]["tuned_profile"] is None
-    assert results["settings"]["sampling"] is None and results["settings"]["speedup_metric"] == "seconds"
+    assert results["settings"]["sampling"] is None and results["settings"]["speedup_metric"] == "seconds_per_token"
     assert results["lookup"] == PROMPT_LOOKUP
     assert_valid_png(output / "speedup.png")
     assert_valid_png(output / "speedup_by_category.png")
@@ -238,6 +238,33 @@ def test_reduced_precision_near_tie_is_consistent_and_shows_its_gap():
     assert ours["identical"] is False
     assert ours["per_prompt"][0]["gap_ulps"] == 2.0
     assert results["consistency_tolerance_ulps"] == 4
+
+
+def test_greedy_speedup_is_per_generated_token_so_a_near_tie_that_ends_sooner_is_not_credited():
+    """Past a near-tie, a consistent contender writes other tokens and may end its answer sooner:
+    dividing total seconds would credit it for the tokens it never wrote."""
+    logits = _one_hot_logits([3, 4, 7, 7])
+    logits[1, 5] = 20.0 - 0.25  # two bfloat16 ulps below plain's choice at the second step
+    measurements = Measurements(
+        prompts=[Prompt(id="p", text="x")],
+        contenders=[
+            Contender(BASELINE, {}, family="baseline", params_label="greedy"),
+            Contender("ours", {}, family="hf_selfspec", params_label="default"),
+        ],
+        # plain: 4 tokens in 2 s; ours took the near-tie's other side and ended after 2 tokens in 0.5 s
+        runs={BASELINE: [[_run([3, 4, 7, 7], 2.0)]], "ours": [[_run([3, 5], 0.5)]]},
+        max_new_tokens=4,
+        repeats=1,
+        references=[_run([3, 4, 7, 7], 2.0, logits=logits)],
+        logit_dtype=torch.bfloat16,
+    )
+    results = results_document(measurements, machine={**_MACHINE, "dtype": "bfloat16"}, skip_sets=_SKIP_SETS,
+                               command={})
+    ours = results["contenders"][1]
+    assert ours["consistency"]["verdict"] == "near-tie"
+    assert ours["speedup"]["median"] == pytest.approx(2.0)  # 0.5 s per token over 0.25; seconds alone say 4
+    assert results["settings"]["speedup_metric"] == "seconds_per_token"
+    assert "baseline seconds per generated token / contender seconds per generated token" in render(results)
 
 
 def test_reduced_precision_real_divergence_is_reported_as_one():
