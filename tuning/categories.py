@@ -6,8 +6,12 @@ much of its prompt, conversation almost none. Summed seconds would let the categ
 longest decodes or the largest wins outvote the rest; the geometric mean of per-category
 speedups weighs every category alike and values the same relative gain anywhere, so a trial
 cannot pass off a loss on free text behind a win on copied text. With one category (or prompts
-that carry none) the geometric mean of that one speedup is the pooled ratio
-sum(plain seconds) / sum(candidate seconds), the value every study had before categories.
+that carry none) the geometric mean of that one speedup is the pooled ratio of plain's seconds
+per generated token to the candidate's.
+
+Per generated token, not per prompt: in bfloat16 a candidate may leave plain's text at a
+near-tie and end its answer sooner, and total seconds would credit the time it did not spend
+writing as speed. Where the tokens are plain's own (float32) the two divisions agree.
 """
 
 from __future__ import annotations
@@ -49,28 +53,41 @@ def alternating_order(categories: Sequence[str | None]) -> list[bool]:
 
 @dataclass
 class SpeedupTotals:
-    """Plain and candidate seconds, and the candidate's tokens and draft counters, summed over prompts."""
+    """Plain's and the candidate's seconds and generated tokens, and the candidate's draft
+    counters, summed over prompts."""
 
     baseline_seconds: float = 0.0
+    baseline_tokens: int = 0
     candidate_seconds: float = 0.0
-    tokens: int = 0
+    candidate_tokens: int = 0
     draft: StrategyStats = field(default_factory=StrategyStats)
     prompts: int = 0
 
-    def add(self, baseline_seconds: float, candidate_seconds: float, tokens: int, stats: StrategyStats | None) -> None:
-        self.baseline_seconds += baseline_seconds
-        self.candidate_seconds += candidate_seconds
-        self.tokens += tokens
+    def add(
+        self, baseline: tuple[float, int], candidate: tuple[float, int], stats: StrategyStats | None
+    ) -> None:
+        """`baseline` and `candidate`: each decode's (seconds, generated tokens)."""
+        self.baseline_seconds += baseline[0]
+        self.baseline_tokens += baseline[1]
+        self.candidate_seconds += candidate[0]
+        self.candidate_tokens += candidate[1]
         self.prompts += 1
         if stats is not None:
             self.draft.add(stats)
 
     @property
-    def speedup(self) -> float:
-        return self.baseline_seconds / self.candidate_seconds if self.candidate_seconds > 0 else 0.0
+    def baseline_tokens_per_second(self) -> float:
+        return self.baseline_tokens / self.baseline_seconds if self.baseline_seconds > 0 else 0.0
 
-    def per_second(self, seconds: float) -> float:
-        return self.tokens / seconds if seconds > 0 else 0.0
+    @property
+    def candidate_tokens_per_second(self) -> float:
+        return self.candidate_tokens / self.candidate_seconds if self.candidate_seconds > 0 else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Plain's seconds per generated token over the candidate's."""
+        baseline = self.baseline_tokens_per_second
+        return self.candidate_tokens_per_second / baseline if baseline > 0 else 0.0
 
 
 class CategorySpeedups:
@@ -86,13 +103,13 @@ class CategorySpeedups:
     def add(
         self,
         category: str | None,
-        baseline_seconds: float,
-        candidate_seconds: float,
-        tokens: int,
+        baseline: tuple[float, int],
+        candidate: tuple[float, int],
         stats: StrategyStats | None,
     ) -> None:
+        """One prompt's plain and candidate decodes, each as (seconds, generated tokens)."""
         for totals in (self.overall, self.totals.setdefault(category or UNCATEGORISED, SpeedupTotals())):
-            totals.add(baseline_seconds, candidate_seconds, tokens, stats)
+            totals.add(baseline, candidate, stats)
 
     @property
     def value(self) -> float:
@@ -111,8 +128,8 @@ class CategorySpeedups:
             "speedup_kind": self.kind,
             "acceptance_rate": draft.acceptance_rate,
             "mean_accepted_length": draft.mean_accepted_length,
-            "tokens_per_second": self.overall.per_second(self.overall.candidate_seconds),
-            "baseline_tokens_per_second": self.overall.per_second(self.overall.baseline_seconds),
+            "tokens_per_second": self.overall.candidate_tokens_per_second,
+            "baseline_tokens_per_second": self.overall.baseline_tokens_per_second,
             "prompts_measured": self.overall.prompts,
         }
         if self.kind == CATEGORY_GEOMETRIC_MEAN:

@@ -637,7 +637,8 @@ class EstimatedSpeedupObjective:
                 # and any drafting only added to it: whatever the cost model prices a step at (one
                 # timed while the machine was busy prices them wrong), this is no faster than plain.
                 seconds = max(seconds, plain)
-            categories.add(data.prompt.category, plain, seconds, len(data.reference), stats)
+            tokens = len(data.reference)  # the estimate decodes plain's own tokens
+            categories.add(data.prompt.category, (plain, tokens), (seconds, tokens), stats)
         trial.set_user_attr("objective", "estimated")
         trial.set_user_attr("draft_token_seconds", self.cost.draft_token_seconds(params))
         categories.record(trial, self.category_floor)

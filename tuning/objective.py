@@ -2,7 +2,7 @@
 
 For every prompt the trial runs plain `generate` (`strategy="plain"`) and the candidate back to
 back, alternating which goes first, so drift in clock speed, thermal state or a neighbour's load
-hits both alike and cancels in the ratio sum(plain seconds) / sum(candidate seconds), taken per
+hits both alike and cancels in the ratio of their seconds per generated token, taken per
 category of the prompts; over several categories the trial's value is the geometric mean of
 those ratios (`categories`). Every candidate's tokens are compared with plain greedy decoding's:
 the strategies are lossless by design, so a difference is a bug, and the trial fails loudly
@@ -123,7 +123,10 @@ class SpeedupObjective:
         trial.set_user_attr("near_tie_prompts", near_ties)
         for step, (prompt, candidate_first) in enumerate(zip(self.prompts, self.candidate_first, strict=True)):
             baseline, candidate = self._measure(prompt, params, candidate_first)
-            totals.add(prompt.category, baseline.seconds, candidate.seconds, len(candidate.new_tokens), candidate.stats)
+            totals.add(
+                prompt.category, (baseline.seconds, len(baseline.new_tokens)),
+                (candidate.seconds, len(candidate.new_tokens)), candidate.stats,
+            )
             consistency = check_greedy_consistency(
                 candidate.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
             )

@@ -166,6 +166,31 @@ def test_one_category_is_the_pooled_speedup_as_before(monkeypatch):
     assert "category_speedups" not in trial.user_attrs
 
 
+def test_a_near_tie_that_ends_sooner_is_not_credited_as_speed(monkeypatch):
+    """In bfloat16 a candidate may take a near-tie's other side and end its answer sooner: the
+    trial divides seconds per generated token, not total seconds."""
+    tokens = [3, 4, 7, 7]
+    logits = torch.nn.functional.one_hot(torch.tensor(tokens), 10).float() * 20.0
+    logits[1, 5] = 20.0 - 0.25  # two bfloat16 ulps below plain's choice at the second step
+    prompt = PreparedPrompt("p", {"input_ids": torch.tensor([[5, 6]])}, tokens, logits, 2.0, "A")
+
+    def scripted(model, inputs, strategy=None, **kwargs):
+        if strategy == "plain":
+            return TimedRun(tokens, 2.0, None)  # 4 tokens in 2 s
+        return TimedRun([3, 5], 0.5, StrategyStats(drafted_tokens=2, accepted_tokens=1))  # 2 tokens in 0.5 s
+
+    monkeypatch.setattr("hf_selfspec.tuning.objective.timed_generate", scripted)
+    objective = SpeedupObjective(SimpleNamespace(dtype=torch.bfloat16), [prompt], SearchConfig(), NUM_LAYERS, {}, "test")
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    study.enqueue_trial(warm_start_trials(SearchConfig(), NUM_LAYERS)[0])
+    study.optimize(objective, n_trials=1)
+    (trial,) = study.trials
+    assert trial.user_attrs["near_tie_prompts"] == ["p"]
+    assert trial.value == pytest.approx(2.0)  # 0.25 s per token against 0.5; total seconds would say 4
+    assert trial.user_attrs["tokens_per_second"] == pytest.approx(4.0)
+    assert trial.user_attrs["baseline_tokens_per_second"] == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize("floor, shortfall", [(1.0, 0.5), (0.4, -0.1)])
 def test_a_category_below_the_floor_makes_the_trial_infeasible(monkeypatch, floor, shortfall):
     trial = _run_measured(monkeypatch, CATEGORY, floor=floor)
