@@ -185,6 +185,7 @@ def _measure(run: _Run) -> dict[str, Any]:
         "seconds_per_token": decode.seconds / max(len(decode.new_tokens), 1),
         "batch_forward_seconds": batch_seconds,
         "objective": objective_for(model),
+        "chat": bool(getattr(tokenizer, "chat_template", None)),
     }
     space = derive_space(result["num_layers"], result["vocab_size"], result["verify_seconds"])
     for reason in space.reasons:
@@ -192,19 +193,25 @@ def _measure(run: _Run) -> dict[str, Any]:
     return result
 
 
-def corpus_plan(seconds: float, seconds_per_token: float) -> dict[str, int]:
-    """The [corpus] counts that make the model write for about `seconds`: half on conversations it
-    prompts itself (the workload's kinds of text), half on standard-library functions it continues
-    (code); at least one conversation."""
+def corpus_plan(seconds: float, seconds_per_token: float, chat: bool = True) -> dict[str, int]:
+    """The [corpus] counts that make the model write for about `seconds`: half on standard-library
+    functions it continues (code), half on conversations it prompts itself (the workload's kinds
+    of text; at least one). A model without a chat template cannot be prompted into a
+    conversation, so that half goes to pieces of standard-library text it continues instead."""
     half = seconds / 2 / seconds_per_token  # tokens the model writes in half the time
-    plan = {
-        "self_prompted": max(1, int(half / (_ANSWER_TOKENS + _CANDIDATES_PER_REQUEST * _REQUEST_TOKENS))),
-        "max_request_tokens": _REQUEST_TOKENS,
-        "answer_tokens": _ANSWER_TOKENS,
-    }
+    if chat:
+        plan = {
+            "self_prompted": max(1, int(half / (_ANSWER_TOKENS + _CANDIDATES_PER_REQUEST * _REQUEST_TOKENS))),
+            "max_request_tokens": _REQUEST_TOKENS,
+            "answer_tokens": _ANSWER_TOKENS,
+        }
+    else:
+        plan = {"stdlib_prompts": max(1, int(half / _CONTINUATION_TOKENS))}
     functions = int(half / _CONTINUATION_TOKENS)
     if functions:
-        plan.update(generated_tokens=_CONTINUATION_TOKENS, stdlib_functions=functions)
+        plan["stdlib_functions"] = functions
+    if functions or not chat:
+        plan["generated_tokens"] = _CONTINUATION_TOKENS
     return plan
 
 
@@ -220,7 +227,7 @@ def _corpus(run: _Run) -> dict[str, Any]:
     table = {
         "stdlib_tokens": adapter.get("stdlib_tokens", 0),
         "chunk_tokens": _CHUNK_TOKENS,
-        **corpus_plan(run.share("corpus"), measured["seconds_per_token"]),
+        **corpus_plan(run.share("corpus"), measured["seconds_per_token"], measured["chat"]),
     }
     path = run.request.work / "lookup-corpus.toml"
     path.write_text(

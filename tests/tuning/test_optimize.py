@@ -4,6 +4,7 @@ model's shape and costs, its refusals, and `tune --model` without a study TOML."
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 from types import SimpleNamespace
@@ -173,6 +174,30 @@ def test_ranges_follow_the_shape_and_the_verification_cost():
         derive_space(8, 1000, {2: 1.0})
 
 
+def test_a_base_model_without_a_chat_template_gets_a_corpus(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    for template in base.glob("chat_template*"):
+        template.unlink()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(base)
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+
+    def stop(run):
+        raise KeyboardInterrupt  # the stages after the corpus are tested on the chat model
+
+    monkeypatch.setattr(optimize_module, "_adapter", stop)
+    assert _optimize(base, tmp_path / "out") == 130
+    state = _state(tmp_path / "out")["stages"]
+    assert state["measure"]["chat"] is False
+    table = state["corpus"]["table"]
+    assert "self_prompted" not in table and table["stdlib_prompts"] > 0
+    assert (tmp_path / "out" / WORK_DIR / "lookup-corpus.safetensors").is_file()
+
+
 def test_exit_layers_stay_inside_the_model():
     assert adapter_exit_layers(2) == (1,)
     assert adapter_exit_layers(30) == (1, 4)
@@ -183,6 +208,10 @@ def test_budgets_size_the_corpus_and_the_adapter():
     small, large = corpus_plan(10, 0.01), corpus_plan(600, 0.01)
     assert small["self_prompted"] >= 1 and large["self_prompted"] > small["self_prompted"]
     assert "stdlib_functions" in large
+    # A base model cannot be prompted into a conversation: it continues standard-library text instead.
+    base = corpus_plan(600, 0.01, chat=False)
+    assert "self_prompted" not in base and base["stdlib_prompts"] > 0 and base["generated_tokens"] > 0
+    assert base["stdlib_functions"] == large["stdlib_functions"]
     plan, reason = adapter_plan(5, 0.5, (1, 4))
     assert plan == {} and "skipped" in reason and "--budget" in reason
     plan, reason = adapter_plan(600, 0.1, (1, 4))
