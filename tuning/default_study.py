@@ -28,8 +28,10 @@ from .knobs import strategy_knobs
 from .toml_reader import ModelConfig
 
 # Verification widths timed on the device; the draft and lookup ranges reach the widest of them
-# whose verification still costs at most `_AFFORDABLE_VERIFY_RATIO` times a single token's.
+# up to which each added position costs at most `_AFFORDABLE_MARGINAL_RATIO` of a single token.
 VERIFY_WIDTHS = (1, 2, 4, 8, 16, 32)
+_AFFORDABLE_MARGINAL_RATIO = 0.5
+# Runner-ups are searched only where a verification this wide costs at most this many single ones.
 _AFFORDABLE_VERIFY_RATIO = 2.0
 # Verifying runner-ups multiplies the width: searched only where a width this wide is that cheap.
 _ALTERNATIVES_WIDTH = 16
@@ -54,9 +56,22 @@ class DerivedSpace:
 
 
 def affordable_width(verify_seconds: Mapping[int, float]) -> int:
-    """The widest timed verification costing at most `_AFFORDABLE_VERIFY_RATIO` single ones."""
+    """The widest timed verification up to which every added position costs at most
+    `_AFFORDABLE_MARGINAL_RATIO` of a single token: one accepted at least that often pays for itself.
+
+    Counted from width 2, the narrowest verification a draft makes. The step from 1 to 2 is the
+    price of speculating at all, which the tuner weighs; on a CPU it is often a change of matrix
+    kernel (a vector product to a matrix product) that costs as much as a second token, while
+    every width after it comes nearly free.
+    """
     single = verify_seconds[1]
-    return max(width for width, seconds in verify_seconds.items() if seconds <= _AFFORDABLE_VERIFY_RATIO * single)
+    widths = sorted(width for width in verify_seconds if width >= 2)
+    reach = widths[0] if widths else 1
+    for narrower, wider in zip(widths, widths[1:]):
+        if verify_seconds[wider] - verify_seconds[narrower] > _AFFORDABLE_MARGINAL_RATIO * single * (wider - narrower):
+            break
+        reach = wider
+    return reach
 
 
 def adapter_exit_layers(num_layers: int) -> tuple[int, ...]:
@@ -93,8 +108,9 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
         "backoff_probe_interval": (0, 32),
     }
     reasons = (
-        f"a verification of {width} tokens costs at most {_AFFORDABLE_VERIFY_RATIO:g}x one token's, so drafts "
-        f"up to {draft} and lookups up to {lookup} tokens are searched",
+        f"up to a verification of {width} tokens each added token costs at most {_AFFORDABLE_MARGINAL_RATIO:g}x "
+        f"one token's ({verify_seconds[width] / verify_seconds[1]:.2f}x for all {width}), "
+        f"so drafts up to {draft} and lookups up to {lookup} tokens are searched",
         "runner-up alternatives are searched: wide verifications are cheap"
         if alternatives
         else "runner-up alternatives are not searched: they widen verifications that are not cheap here",

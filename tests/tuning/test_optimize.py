@@ -174,6 +174,17 @@ def test_ranges_follow_the_shape_and_the_verification_cost():
         derive_space(8, 1000, {2: 1.0})
 
 
+def test_a_costly_step_to_two_tokens_does_not_hide_cheap_wide_verifications():
+    # A CPU whose matrix kernel changes between one token and two: two cost twice one, and every
+    # width after that comes nearly free, so long lookups pay where a draft is taken whole.
+    kernel_change = {1: 1.0, 2: 1.96, 4: 2.15, 8: 2.2, 16: 2.5, 32: 3.25}
+    space = derive_space(18, 262_144, kernel_change)
+    assert space.ranges["max_draft_tokens"] == (1, 16) and space.ranges["prompt_lookup_tokens"] == (1, 24)
+    # Where each added token costs more than half of one, the reach stops there.
+    steep = {1: 1.0, 2: 1.9, 4: 2.2, 8: 5.0, 16: 9.0, 32: 17.0}
+    assert derive_space(18, 262_144, steep).ranges["prompt_lookup_tokens"] == (1, 3)
+
+
 def test_a_base_model_without_a_chat_template_gets_a_corpus(tiny_llama_dir, tmp_path, monkeypatch, capsys):
     from transformers import AutoTokenizer
 
