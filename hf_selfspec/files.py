@@ -19,6 +19,15 @@ from pathlib import Path
 import torch
 
 
+def cache_root() -> Path:
+    """Where hf-selfspec keeps what it can make again: converted models, generated text,
+    training checkpoints (`HF_SELFSPEC_CACHE`, else `hf_selfspec` in the XDG cache)."""
+    base = os.environ.get("HF_SELFSPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hf_selfspec"
+    )
+    return Path(base)
+
+
 def _umask() -> int:
     # The only portable way to read the umask is to set it; it is put back at once.
     mask = os.umask(0o022)

@@ -24,6 +24,7 @@ def load_model_and_tokenizer(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .embedded import load_embedded
+    from .gguf import dequantised_copy
     from .inputs import existing_file
     from .mixin import enable
     from .profiles import use_generation_config_file
@@ -36,7 +37,11 @@ def load_model_and_tokenizer(
             raise ValueError("--gguf-file applies to a directory or Hub id, not to the embedded model")
         loaded, tokenizer = load_embedded(dtype=dtype, device=device, generation_config=None)
     else:
-        extra = {"gguf_file": gguf_file} if gguf_file else {}
+        extra = {}
+        if gguf_file and Path(model).is_dir():
+            model = str(dequantised_copy(existing_file(Path(model) / gguf_file, "--gguf-file")))
+        elif gguf_file:  # a Hub id: transformers fetches and dequantises it
+            extra = {"gguf_file": gguf_file}
         loaded = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, **extra).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(model, **extra)
         loaded = enable(settle_auto_dtype(loaded) if dtype == AUTO else loaded)

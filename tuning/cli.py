@@ -67,7 +67,9 @@ def _model_config(args: argparse.Namespace):
 
     from .toml_reader import ModelConfig
 
-    return ModelConfig(name=model_name(args.model), dtype=args.dtype, device=usable_device(args.device))
+    return ModelConfig(
+        name=model_name(args.model), gguf_file=args.gguf_file, dtype=args.dtype, device=usable_device(args.device)
+    )
 
 
 @_reporting("tune")
@@ -184,6 +186,10 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 def _add_model_arguments(parser: argparse.ArgumentParser, model_help: str, required: bool) -> None:
     parser.add_argument("--model", required=required, metavar="DIR|HUB_ID", help=model_help)
+    parser.add_argument(
+        "--gguf-file", metavar="F", help="GGUF file inside --model to load; a local one is dequantised once, "
+        "into the user cache, and every later load reads that copy",
+    )
     parser.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
         help="weights dtype; auto is the checkpoint's own (default: %(default)s)",

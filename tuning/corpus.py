@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-from hf_selfspec.embedded import cache_root
+from hf_selfspec.files import cache_root
 
 from .evaluation_texts import FIRST_TRAINABLE_HUMANEVAL
 from .model_text import generated_texts

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from hf_selfspec.embedded import cache_root
+from hf_selfspec.files import cache_root
 from hf_selfspec.prompts import WORKLOAD_CATEGORIES
 
 from . import TuningError

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_selfspec.adapter import check_exit_layer
-from hf_selfspec.embedded import cache_root
+from hf_selfspec.files import cache_root
 from hf_selfspec.files import adapter_files
 from hf_selfspec.inputs import file_stem
 from hf_selfspec.layer_skip import decoder_layers

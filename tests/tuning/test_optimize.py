@@ -144,6 +144,7 @@ def test_a_run_for_another_model_into_the_same_output_is_refused(finished, tmp_p
         (["--model", "/no/such/model", "--output", "{tmp}/out"], "no such directory"),
         (["--model", "{model}", "--output", "{tmp}/out", "--budget", "0"], "positive number of minutes"),
         (["--model", "{model}", "--output", "{tmp}/file"], "is a file"),
+        (["--model", "{model}", "--gguf-file", "none.gguf", "--output", "{tmp}/out"], "none.gguf: no such file"),
     ],
 )
 def test_bad_inputs_fail_in_one_line(arguments, message, tiny_llama_dir, tmp_path, capsys):
