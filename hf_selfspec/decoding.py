@@ -19,6 +19,7 @@ from transformers import StoppingCriteriaList
 from .alternatives import verification_inputs
 from .cache import DraftAwareCache, cache_keyword
 from .decoding_types import DecodingState, Draft, Drafter, Verdict
+from .narrow_linear import verifying
 from .policies import Backoff, ExitPolicy, Gate
 from .selection import TokenSelector
 from .stats import StrategyStats
@@ -45,20 +46,22 @@ FullForward = Callable[
 
 
 def model_forward(model, cache: DraftAwareCache) -> FullForward:
-    """The full model itself, writing the verified positions' KV into `cache`."""
+    """The full model itself, writing the verified positions' KV into `cache`, its few rows on
+    whichever layout this machine multiplies faster (`narrow_linear`)."""
 
     def forward(input_ids, position_ids, attention_mask, logits_to_keep, hidden_layer):
         # transformers collects a selected hidden state per call (its hooks read a context
         # variable), at no extra compute: what a drafter reads travels with the output.
-        outputs = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            **cache_keyword(cache),
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **({} if hidden_layer is None else {"output_hidden_states": [hidden_layer]}),
-        )
+        with verifying(model):
+            outputs = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                **cache_keyword(cache),
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **({} if hidden_layer is None else {"output_hidden_states": [hidden_layer]}),
+            )
         return outputs.logits[0], None if hidden_layer is None else outputs.hidden_states[hidden_layer]
 
     return forward

@@ -21,6 +21,7 @@ import torch
 
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
 from hf_selfspec.measure import timed
+from hf_selfspec.narrow_linear import verifying
 from hf_selfspec.prompts import TUNE_SPLIT, WORKLOAD, read_jsonl_prompts
 
 from .config import DEFAULT_N_PROMPTS, PromptConfig, SearchConfig, StudyConfig, StudySettings
@@ -136,7 +137,8 @@ def time_verification(model, widths: tuple[int, ...] = VERIFY_WIDTHS) -> dict[in
     for _ in range(_TIMING_ROUNDS + 1):  # the first round warms up, uncounted
         for width in widths:
             new_tokens = text[:, _PREFIX_TOKENS : _PREFIX_TOKENS + width]
-            _, seconds = timed(partial(model, new_tokens, **cache_keyword(cache), use_cache=True), model.device)
+            with verifying(model):
+                _, seconds = timed(partial(model, new_tokens, **cache_keyword(cache), use_cache=True), model.device)
             rounds[width].append(seconds)
             cache.rollback(_PREFIX_TOKENS)
     return {width: statistics.median(seconds[1:]) for width, seconds in rounds.items()}

@@ -51,6 +51,7 @@ from hf_selfspec.drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowE
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import SkippingDecoder, decoder_layers
 from hf_selfspec.measure import timed, timed_generate
+from hf_selfspec.narrow_linear import verifying
 from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
@@ -174,15 +175,18 @@ class TeacherForcedPrompt:
 
 
 def _forward(model, input_ids: torch.Tensor, start: int, cache: DraftAwareCache, logits_to_keep: int, **kwargs):
+    """The full model's forward pass over `input_ids` from position `start`, as the decoding
+    loop verifies (`model_forward`), on the same kernels."""
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    return model(
-        input_ids=input_ids,
-        position_ids=positions,
-        **cache_keyword(cache),
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-        **kwargs,
-    )
+    with verifying(model):
+        return model(
+            input_ids=input_ids,
+            position_ids=positions,
+            **cache_keyword(cache),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
 
 
 def check_supported(model) -> None:

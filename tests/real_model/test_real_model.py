@@ -95,6 +95,21 @@ def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, case):
     assert (rescued > 0) == bool(STRATEGY_KWARGS[case].get("draft_alternatives"))
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "stock"])
+def test_the_verifiers_matrix_layout_keeps_decoding_lossless(smollm2, monkeypatch, transposed):
+    """Whichever layout this machine's timing picks for a verification's few rows
+    (`hf_selfspec.narrow_linear`), the shipped adapter with long lookups stays lossless."""
+    from hf_selfspec import narrow_linear
+
+    monkeypatch.setattr(narrow_linear, "transposed_is_faster", lambda weight, band: transposed)
+    model, cases = smollm2
+    kwargs = {**case_kwargs(model, "kangaroo_shipped_adapter"), "prompt_lookup_tokens": 16, "prompt_lookup_min_ngram": 1}
+    for prompt_id, inputs, plain in cases:
+        output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                                **kwargs)
+        assert_consistent(output, plain, inputs, model.dtype, prompt_id)
+
+
 def test_shipped_profile_is_applied_by_default_and_consistent(smollm2):
     """`load_embedded()` applies the profile tuned for this device and dtype, and it stays lossless."""
     from hf_selfspec.profiles import device_profile_key, read_profiles

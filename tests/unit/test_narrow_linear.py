@@ -1,0 +1,116 @@
+"""The verifier's choice of matrix layout for a few rows (`hf_selfspec.narrow_linear`): the same
+product, taken only inside a verification, and decoding stays lossless on either layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_selfspec import narrow_linear
+from hf_selfspec.narrow_linear import ROW_BANDS, install, verifying
+from helpers.greedy import assert_same_greedy, random_prompts
+from helpers.tiny_models import ARCHITECTURES, tiny_model
+
+LAYOUTS = {"transposed": True, "stock": False}
+
+
+def count_transposed(monkeypatch, faster: bool) -> list[torch.Size]:
+    """With the transposed layout timed as `faster` for every shape: the rows of every product
+    taken on it, as they are taken."""
+    calls = []
+    original = narrow_linear._transposed
+    monkeypatch.setattr(narrow_linear, "transposed_is_faster", lambda weight, band: faster)
+
+    def transposed(weight, rows):
+        calls.append(rows.shape)
+        return original(weight, rows)
+
+    monkeypatch.setattr(narrow_linear, "_transposed", transposed)
+    return calls
+
+
+@pytest.fixture
+def transposed_calls(monkeypatch):
+    return count_transposed(monkeypatch, True)
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(16, 24), nn.Linear(24, 8, bias=False)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize("rows", [2, 5, ROW_BANDS[-1]])
+@torch.no_grad()
+def test_the_transposed_layout_gives_the_stock_product(transposed_calls, rows):
+    model = TwoLinears()
+    x = torch.randn(1, rows, 16)
+    stock = model(x)
+    with verifying(model):
+        chosen = model(x)
+    assert len(transposed_calls) == 2
+    assert chosen.shape == stock.shape and chosen.is_contiguous()
+    torch.testing.assert_close(chosen, stock)
+
+
+@torch.no_grad()
+def test_only_a_verification_of_a_few_rows_without_autograd_takes_it(transposed_calls):
+    model = TwoLinears()
+    model(torch.randn(1, 4, 16))  # outside a verification
+    with verifying(model):
+        model(torch.randn(1, 1, 16))  # one row: the matrix-vector product a plain step takes
+        model(torch.randn(1, ROW_BANDS[-1] + 1, 16))  # a long prefill
+        with torch.enable_grad():
+            model(torch.randn(1, 4, 16))  # training keeps the stock kernel and its backward
+    assert transposed_calls == []
+
+
+def test_install_leaves_wrapped_and_subclassed_layers_alone():
+    class QuantisedLinear(nn.Linear):
+        pass
+
+    model = TwoLinears()
+    model.third = QuantisedLinear(8, 8)
+    hooked = model.second.forward = lambda x: x  # another library's wrapper
+    install(model)
+    install(model)  # a second call changes nothing
+    assert model.first.forward.__func__ is narrow_linear._forward
+    assert model.second.forward is hooked
+    assert "forward" not in model.third.__dict__
+
+
+def test_the_layout_is_timed_once_per_shape_band_and_thread_count(monkeypatch):
+    monkeypatch.setattr(narrow_linear, "_TRANSPOSED_FASTER", {})
+    timed = []
+
+    def clock(run, device):  # each round times the stock layout first: it takes 2 s, the transposed 1 s
+        timed.append(run)
+        return None, 2.0 if len(timed) % 2 else 1.0
+
+    monkeypatch.setattr(narrow_linear, "timed", clock)
+    weight = torch.randn(24, 16)
+    assert narrow_linear.transposed_is_faster(weight, 4) is True
+    assert narrow_linear.transposed_is_faster(weight, 4) is True  # remembered, not timed again
+    assert len(timed) == 2 * narrow_linear._TIMING_ROUNDS
+    narrow_linear.transposed_is_faster(weight, 8)
+    assert len(timed) == 4 * narrow_linear._TIMING_ROUNDS
+    threads = torch.get_num_threads()
+    assert set(narrow_linear._TRANSPOSED_FASTER) == {(threads, torch.float32, 24, 16, band) for band in (4, 8)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_greedy_decoding_matches_plain_on_either_layout(monkeypatch, architecture, layout):
+    calls = count_transposed(monkeypatch, LAYOUTS[layout])
+    model = tiny_model(architecture, initializer_range=0.3)
+    for prompt in random_prompts(model.config.vocab_size):
+        assert_same_greedy(
+            model, prompt, strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
+            max_draft_tokens=5, draft_exit_threshold=0.0, prompt_lookup_tokens=4, prompt_lookup_min_ngram=1,
+        )
+    assert bool(calls) == LAYOUTS[layout]
