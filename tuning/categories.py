@@ -34,21 +34,26 @@ UNCATEGORISED = "uncategorised"
 
 
 def alternating_order(categories: Sequence[str | None]) -> list[bool]:
-    """For each prompt, whether the candidate decodes before plain decoding.
+    """For each prompt, whether the candidate decodes before plain decoding."""
+    return [offset == 1 for offset in rotation_offsets(categories, 2)]
 
-    Alternating by position alone would put every prompt of a category on the same side when the
-    prompts cycle through an even number of categories, and a category's speedup would carry the
-    cost of always going first. So the order alternates within each category, and neighbouring
-    categories start on opposite sides; with one category it alternates prompt by prompt.
+
+def rotation_offsets(categories: Sequence[str | None], contenders: int) -> list[int]:
+    """For each prompt, by how many places the contenders' order is rotated on it.
+
+    Rotating by position alone would put every prompt of a category in the same place when the
+    prompts cycle through a multiple of `contenders` categories, and a category's speedup would
+    carry the cost of always going first. So the rotation advances within each category, and
+    neighbouring categories start one place apart; with one category it advances prompt by prompt.
     """
     ranks: dict[str | None, int] = {}
     seen: dict[str | None, int] = {}
-    order = []
+    offsets = []
     for category in categories:
         rank = ranks.setdefault(category, len(ranks))
-        order.append((rank + seen.get(category, 0)) % 2 == 1)
+        offsets.append((rank + seen.get(category, 0)) % contenders)
         seen[category] = seen.get(category, 0) + 1
-    return order
+    return offsets
 
 
 @dataclass
@@ -138,7 +143,7 @@ class CategorySpeedups:
             attrs["category_prompts"] = {name: totals.prompts for name, totals in self.totals.items()}
         return attrs
 
-    def record(self, trial: optuna.Trial, floor: float | None = None) -> None:
+    def record(self, trial: optuna.trial.BaseTrial, floor: float | None = None) -> None:
         """Record the figures on the trial and, with a floor, whether it is feasible: the
         constraint is how far the worst category falls short of the floor (at most 0 where none
         does), which Optuna's TPE sampler reads to steer away from infeasible regions. Only for

@@ -4,15 +4,17 @@ For every prompt the trial runs plain `generate` (`strategy="plain"`) and the ca
 back, alternating which goes first, so drift in clock speed, thermal state or a neighbour's load
 hits both alike and cancels in the ratio of their seconds per generated token, taken per
 category of the prompts; over several categories the trial's value is the geometric mean of
-those ratios (`categories`). Every candidate's tokens are compared with plain greedy decoding's:
-the strategies are lossless by design, so a difference is a bug, and the trial fails loudly
-instead of reporting a speed that was bought with wrong output.
+those ratios (`categories`). Trials confirmed together (`measure_side_by_side`) share one plain
+decode of each prompt, the order rotating over all of them. Every candidate's tokens are
+compared with plain greedy decoding's: the strategies are lossless by design, so a difference
+is a bug, and the trial fails loudly instead of reporting a speed that was bought with wrong
+output.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,7 @@ from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import Prompt, encode_prompt
 from hf_selfspec.strategies import PLAIN
 
-from .categories import CategorySpeedups, alternating_order
+from .categories import CategorySpeedups, alternating_order, rotation_offsets
 from .config import SearchConfig
 from .space import ADAPTER_PARAM, skip_ratio, suggest_params
 
@@ -69,7 +71,7 @@ def prepare_prompts(
     return prepared, tokens / seconds if seconds > 0 else 0.0
 
 
-def begin_trial(trial: optuna.Trial, search: SearchConfig, num_layers: int, worker: str) -> dict[str, Any]:
+def begin_trial(trial: optuna.trial.BaseTrial, search: SearchConfig, num_layers: int, worker: str) -> dict[str, Any]:
     """Sample the trial's parameters and record what every trial records about its draft;
     returns them as `generate` keyword arguments."""
     params = suggest_params(trial, search, num_layers)
@@ -123,19 +125,7 @@ class SpeedupObjective:
         trial.set_user_attr("near_tie_prompts", near_ties)
         for step, (prompt, candidate_first) in enumerate(zip(self.prompts, self.candidate_first, strict=True)):
             baseline, candidate = self._measure(prompt, params, candidate_first)
-            totals.add(
-                prompt.category, (baseline.seconds, len(baseline.new_tokens)),
-                (candidate.seconds, len(candidate.new_tokens)), candidate.stats,
-            )
-            consistency = check_greedy_consistency(
-                candidate.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
-            )
-            if not consistency.consistent:
-                totals.record(trial)
-                raise self._violation(trial, prompt, candidate.new_tokens, params, consistency)
-            if consistency.verdict == NEAR_TIE:
-                near_ties.append(prompt.id)
-                trial.set_user_attr("near_tie_prompts", near_ties)
+            self._score(trial, params, totals, near_ties, prompt, baseline, candidate)
             trial.report(totals.value, step)
             if trial.should_prune():
                 totals.record(trial)
@@ -145,26 +135,93 @@ class SpeedupObjective:
         totals.record(trial, self.category_floor)
         return totals.value
 
+    def measure_side_by_side(
+        self, trials: Sequence[optuna.trial.BaseTrial], on_prompt: Callable[[], None] = lambda: None
+    ) -> list[float | LosslessViolation]:
+        """Measure fixed trials (an estimated study's best, to confirm) together: each prompt is
+        decoded plainly once and by every trial, in an order rotated from prompt to prompt.
+
+        k trials then cost k + 1 decodes of a prompt instead of 2k, and all of them are compared
+        with the same plain decodes, so load that comes and goes cannot favour one over another.
+        A trial whose output leaves plain greedy decoding's is decoded no further; its entry is
+        the `LosslessViolation`. `on_prompt` is called after each prompt, for a progress bar.
+        """
+        params = [begin_trial(trial, self.search, self.num_layers, self.worker) for trial in trials]
+        totals = [CategorySpeedups([prompt.category for prompt in self.prompts]) for _ in trials]
+        near_ties: list[list[str]] = [[] for _ in trials]
+        for trial, prompts in zip(trials, near_ties, strict=True):
+            trial.set_user_attr("near_tie_prompts", prompts)
+        violations: dict[int, LosslessViolation] = {}
+        offsets = rotation_offsets([prompt.category for prompt in self.prompts], len(trials) + 1)
+        for prompt, offset in zip(self.prompts, offsets, strict=True):
+            live = [index for index in range(len(trials)) if index not in violations]
+            order: list[int | None] = [None, *live]  # None: the plain decode
+            shift = offset % len(order)
+            runs: dict[int | None, TimedRun] = {}
+            for index in order[shift:] + order[:shift]:
+                runs[index] = self._decode(prompt, None if index is None else params[index])
+            for index in live:
+                try:
+                    self._score(
+                        trials[index], params[index], totals[index], near_ties[index], prompt, runs[None], runs[index]
+                    )
+                except LosslessViolation as violation:
+                    violations[index] = violation
+            on_prompt()
+        outcomes: list[float | LosslessViolation] = []
+        for index, trial in enumerate(trials):
+            if index in violations:
+                outcomes.append(violations[index])
+                continue
+            totals[index].record(trial, self.category_floor)
+            outcomes.append(totals[index].value)
+        return outcomes
+
+    def _decode(self, prompt: PreparedPrompt, params: dict[str, Any] | None) -> TimedRun:
+        """One timed decode of the prompt: plain with `params` None, else the candidate's."""
+        if params is None:
+            return timed_generate(self.model, prompt.inputs, strategy=PLAIN, **self.generate_kwargs)
+        strategy = self.search.strategy
+        return timed_generate(self.model, prompt.inputs, strategy=strategy, **params, **self.generate_kwargs)
+
     def _measure(
         self, prompt: PreparedPrompt, params: dict[str, Any], candidate_first: bool
     ) -> tuple[TimedRun, TimedRun]:
-        def baseline() -> TimedRun:
-            return timed_generate(self.model, prompt.inputs, strategy=PLAIN, **self.generate_kwargs)
-
-        def candidate() -> TimedRun:
-            return timed_generate(
-                self.model, prompt.inputs, strategy=self.search.strategy, **params, **self.generate_kwargs
-            )
-
         if candidate_first:
-            candidate_run = candidate()
-            return baseline(), candidate_run
-        baseline_run = baseline()
-        return baseline_run, candidate()
+            candidate_run = self._decode(prompt, params)
+            return self._decode(prompt, None), candidate_run
+        baseline_run = self._decode(prompt, None)
+        return baseline_run, self._decode(prompt, params)
+
+    def _score(
+        self,
+        trial: optuna.trial.BaseTrial,
+        params: dict[str, Any],
+        totals: CategorySpeedups,
+        near_ties: list[str],
+        prompt: PreparedPrompt,
+        baseline: TimedRun,
+        candidate: TimedRun,
+    ) -> None:
+        """Add one prompt's decodes to the trial's totals; a `LosslessViolation` (the totals so
+        far recorded on the trial) if the candidate's tokens are not plain greedy's."""
+        totals.add(
+            prompt.category, (baseline.seconds, len(baseline.new_tokens)),
+            (candidate.seconds, len(candidate.new_tokens)), candidate.stats,
+        )  # fmt: skip
+        consistency = check_greedy_consistency(
+            candidate.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
+        )
+        if not consistency.consistent:
+            totals.record(trial)
+            raise self._violation(trial, prompt, candidate.new_tokens, params, consistency)
+        if consistency.verdict == NEAR_TIE:
+            near_ties.append(prompt.id)
+            trial.set_user_attr("near_tie_prompts", near_ties)
 
     def _violation(
         self,
-        trial: optuna.Trial,
+        trial: optuna.trial.BaseTrial,
         prompt: PreparedPrompt,
         tokens: list[int],
         params: dict[str, Any],

@@ -309,10 +309,10 @@ def _tune(run: _Run) -> dict[str, Any]:
     print(f"     wrote {toml_path} (rerun it with `hf-selfspec tune {toml_path}`)", flush=True)
     # No trial starts after the deadline, counted after the model load and the cost model's
     # timing; the confirmation of the best estimates that follows is priced in plain decodes of
-    # the prompts (each confirmed trial decodes them twice: plainly and with the trial).
+    # the prompts (one plain decode of each, and one by each confirmed trial, none priced faster).
     measured = run.stages["measure"]
     plain_decode = len(select_study_prompts(config.prompts)) * config.prompts.max_new_tokens * measured["seconds_per_token"]
-    window = run.remaining() - SHARES["confirm"] * run.request.budget_seconds - 2 * CONFIRM_TOP * plain_decode
+    window = run.remaining() - SHARES["confirm"] * run.request.budget_seconds - (CONFIRM_TOP + 1) * plain_decode
     print(f"     tuning until {max(window, 0) / 60:.1f} min from now", flush=True)
     outcome = run_tune(config, n_trials=None, show_progress=run.request.show_progress,
                        deadline=time.monotonic() + window)

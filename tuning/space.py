@@ -28,7 +28,7 @@ def skip_param_name(sub_layer: str, layer: int) -> str:
     return f"skip_{sub_layer}_{layer}"
 
 
-def suggest_params(trial: optuna.Trial, search: SearchConfig, num_layers: int) -> dict[str, Any]:
+def suggest_params(trial: optuna.trial.BaseTrial, search: SearchConfig, num_layers: int) -> dict[str, Any]:
     """Ask the sampler for one point of the space; returns `generate` keyword arguments, with a
     chosen adapter named by where this worker keeps it."""
     if search.draft_adapters:

@@ -287,29 +287,53 @@ def run_tune(
 
 
 def confirm_estimates(
-    storage, measured_name: str, estimated: optuna.Study, context: StudyContext, config: StudyConfig, measuring,
-    show_progress: bool,
+    storage, measured_name: str, estimated: optuna.Study, context: StudyContext, config: StudyConfig,
+    measuring: SpeedupObjective, show_progress: bool,
 ) -> optuna.Study:
     """Measure the best feasible estimated trials by real decoding, as trials of the measured study.
 
-    Each is enqueued once (a trial with the same parameters already there is not repeated), and
-    remembers the estimate it came from, so the two can be compared side by side. An estimate
-    below the category floor is not confirmed: the measurement would only find it below too.
+    They are decoded side by side, beside one plain decode of each prompt
+    (`SpeedupObjective.measure_side_by_side`), and each is added to the measured study only once
+    measured whole, so a killed run leaves nothing half-done and the next run measures what is
+    missing. A trial with the same parameters already there is not measured again. Each remembers
+    the estimate it came from, so the two can be compared side by side. An estimate below the
+    category floor is not confirmed: the measurement would only find it below too.
     """
     measured, _ = create_or_load_study(storage, measured_name, _sampler(config, None), optuna.pruners.NopPruner())
     context.check_matches(measured)
     context.save(measured)
     complete = [t for t in estimated.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if is_feasible(t)]
-    for trial in sorted(complete, key=lambda t: t.value, reverse=True)[: config.study.confirm_top]:
-        measured.enqueue_trial(
-            trial.params,
-            user_attrs={"estimated_speedup": trial.value, "estimated_trial": trial.number},
-            skip_if_exists=True,
+    best = sorted(complete, key=lambda t: t.value, reverse=True)[: config.study.confirm_top]
+    already = [trial.params for trial in measured.get_trials(deepcopy=False, states=FINISHED)]
+    pending = [trial for trial in best if trial.params not in already]
+    if not pending:
+        return measured
+    print(
+        f"Confirming {len(pending)} estimated trial(s) by real decoding, side by side, in study {measured_name!r}",
+        flush=True,
+    )
+    fixed = [optuna.trial.FixedTrial(trial.params) for trial in pending]
+    disable = None if show_progress else True  # None: no bar where stderr is not a terminal
+    with tqdm(total=len(measuring.prompts), unit="prompt", desc="confirming", disable=disable) as bar:
+        outcomes = measuring.measure_side_by_side(fixed, lambda: bar.update(1))
+    progress = _Progress(len(pending), show_progress)
+    for estimate, trial, outcome in zip(pending, fixed, outcomes, strict=True):
+        failed = isinstance(outcome, LosslessViolation)
+        measured.add_trial(
+            optuna.trial.create_trial(
+                state=TrialState.FAIL if failed else TrialState.COMPLETE,
+                value=None if failed else outcome,
+                params=estimate.params,
+                distributions=estimate.distributions,
+                user_attrs={
+                    **trial.user_attrs, "estimated_speedup": estimate.value, "estimated_trial": estimate.number
+                },
+                constraints=trial.constraints or None,
+            )
         )
-    waiting = len(measured.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-    if waiting:
-        print(f"Confirming {waiting} estimated trial(s) by real decoding in study {measured_name!r}", flush=True)
-        _optimize(measured, measuring, waiting, None, [], show_progress)
+        progress(measured, measured.get_trials(deepcopy=False)[-1])
+    progress.close()
+    write_study_note(measured)
     return measured
 
 

@@ -159,3 +159,25 @@ def make_tuned_looking_study(
             trial.set_constraint(key, value)
         study.tell(trial, speedup)
     return study
+
+
+class ScriptedConfirmation:
+    """Stands in for `SpeedupObjective` when confirming estimates: every trial takes its
+    estimate's parameters and measures `speedup`, or, `killed`, the run is interrupted first."""
+
+    prompts = ()
+
+    def __init__(self, num_layers: int, speedup: float = 1.2, killed: bool = False):
+        self.num_layers, self.speedup, self.killed = num_layers, speedup, killed
+        self.measured: list[dict] = []  # the parameters of each trial measured
+
+    def measure_side_by_side(self, trials, on_prompt):
+        if self.killed:
+            raise KeyboardInterrupt
+        for trial in trials:
+            self.measured.append(suggest_params(trial, SearchConfig(), self.num_layers))
+            figures = {"acceptance_rate": 0.5, "mean_accepted_length": 1.5, "skip_ratio": 0.1,
+                       "tokens_per_second": 100.0 * self.speedup, "baseline_tokens_per_second": 100.0}  # fmt: skip
+            for key, value in figures.items():
+                trial.set_user_attr(key, value)
+        return [self.speedup] * len(trials)

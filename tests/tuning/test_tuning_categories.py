@@ -11,7 +11,7 @@ import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
-from helpers.tuning import make_tuned_looking_study
+from helpers.tuning import ScriptedConfirmation, make_tuned_looking_study
 
 from hf_selfspec.measure import TimedRun
 from hf_selfspec.prompts import TUNE_SPLIT, WORKLOAD, WORKLOAD_CATEGORIES
@@ -25,7 +25,7 @@ from hf_selfspec.tuning.categories import (
 from hf_selfspec.tuning.config import PromptConfig, SearchConfig, StudyConfig, StudySettings
 from hf_selfspec.tuning.estimate import CostModel, EstimatedSpeedupObjective
 from hf_selfspec.tuning.objective import PreparedPrompt, SpeedupObjective
-from hf_selfspec.tuning.space import suggest_params, warm_start_trials
+from hf_selfspec.tuning.space import warm_start_trials
 from hf_selfspec.tuning.storage import StudyContext, derive_study_name
 from hf_selfspec.tuning.study_prompts import select_study_prompts
 from hf_selfspec.tuning.tune import TuneOutcome, confirm_estimates, format_summary
@@ -242,14 +242,7 @@ def test_only_feasible_estimates_are_confirmed_and_the_summary_names_the_rest(tm
     )  # fmt: skip
     config = StudyConfig(study=StudySettings(confirm_top=1, category_floor=1.0))
 
-    def measuring(trial: optuna.Trial) -> float:
-        suggest_params(trial, SearchConfig(), NUM_LAYERS)  # takes the enqueued estimate's values
-        measured = {"acceptance_rate": 0.5, "mean_accepted_length": 1.5, "skip_ratio": 0.1,
-                    "tokens_per_second": 120.0, "baseline_tokens_per_second": 100.0}  # fmt: skip
-        for key, value in measured.items():
-            trial.set_user_attr(key, value)
-        return 1.2
-
+    measuring = ScriptedConfirmation(NUM_LAYERS)
     storage = optuna.storages.RDBStorage(storage_url)
     confirmed = confirm_estimates(storage, "s", estimated, _context(tiny_llama_dir), config, measuring, False)
     assert [t.user_attrs["estimated_trial"] for t in confirmed.trials] == [2]
