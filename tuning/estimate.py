@@ -174,9 +174,11 @@ class TeacherForcedPrompt:
         return self.full_text.shape[0] - 1
 
 
+@torch.no_grad()
 def _forward(model, input_ids: torch.Tensor, start: int, cache: DraftAwareCache, logits_to_keep: int, **kwargs):
     """The full model's forward pass over `input_ids` from position `start`, as the decoding
-    loop verifies (`model_forward`), on the same kernels."""
+    loop verifies (`model_forward`), on the same kernels: outside autograd, as `generate` runs,
+    whoever calls it (the cost-model watch probes from an Optuna callback)."""
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     with verifying(model):
         return model(
@@ -658,11 +660,11 @@ class CostModelWatch:
     again side by side (`probe`, in rounds); when their ratio has moved by more than `tolerance`
     from what the same probe read when the cost model was last timed, the whole model is timed
     again (`retime`) and the objective prices the trials after it with that. The probe is
-    compared with itself, not with the cost model's ratio: the two time a verification in
-    different contexts (one prompt's cache against all of them), so their ratios differ even
-    on an idle machine, and only a change in the probe's own reading is the load's. Each
-    re-time is recorded in the study's user attrs (`cost_model_retimes`) and logged, so a
-    study's values can be read with it in mind.
+    compared with itself, not with the cost model's ratio: the cost model times every width
+    and draft interleaved in more rounds, so the two read the same load a little differently,
+    and only a change in the probe's own reading is the load's. Each re-time is recorded in
+    the study's user attrs (`cost_model_retimes`) and logged, so a study's values can be read
+    with it in mind.
     """
 
     def __init__(

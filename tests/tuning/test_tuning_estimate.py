@@ -34,6 +34,7 @@ from hf_selfspec.tuning.estimate import (
     estimate_decode,
     plain_seconds,
     teacher_force,
+    verification_runs,
 )
 from hf_selfspec.tuning.export import export_profile
 from hf_selfspec.tuning.objective import PreparedPrompt
@@ -383,6 +384,17 @@ def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(s
     assert cost.restricted_head_per_row == 0.0
     full_model_draft = resolve_params(NUM_LAYERS, {"attn_skip_layers": [], "mlp_skip_layers": []})
     assert cost.draft_token_seconds(full_model_draft) == pytest.approx(cost.adapter_draft_seconds[adapter])
+
+
+def test_the_probe_verifies_outside_autograd_as_decoding_does(sharp_llama):
+    """The cost-model watch probes from an Optuna callback, where autograd is on. A verification
+    recorded for autograd would chain its graph onto the shared cache's, so every probe would
+    keep the last one's memory alive, and it would run on other kernels than decoding's."""
+    data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
+    assert torch.is_grad_enabled() and any(parameter.requires_grad for parameter in sharp_llama.parameters())
+    for run in verification_runs(sharp_llama, data, (1, 4)).values():
+        run()
+    assert not any(layer.keys.requires_grad or layer.values.requires_grad for layer in data.cache.layers)
 
 
 def test_the_estimate_looks_up_in_a_corpus_as_decoding_does(sharp_llama, tmp_path):
