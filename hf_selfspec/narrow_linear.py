@@ -18,10 +18,11 @@ decoding's in their last bits, never in more.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -34,7 +35,11 @@ from .measure import timed
 # Row counts are timed at the top of their band (2, 3-4, 5-6, ...): a verification's width varies
 # from step to step, and timing every width of a large model would cost seconds.
 ROW_BANDS = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-_TIMING_ROUNDS = 3
+_TIMING_ROUNDS = 5
+# One product of a small layer's few rows takes a fraction of a millisecond, where a single
+# timing is mostly the clock's and the scheduler's noise: each timed sample repeats the product
+# until it lasts about this long, or a noisy choice would differ from one process to the next.
+_SAMPLE_SECONDS = 2e-3
 
 _VERIFYING: ContextVar[bool] = ContextVar("hf_selfspec_verifying", default=False)
 # (threads, dtype, out features, in features, band) -> whether the transposed layout is faster;
@@ -52,6 +57,18 @@ def _transposed(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, rows.t()).t().contiguous()
 
 
+def _repeated(product: Callable[[], torch.Tensor], seconds: float) -> Callable[[], None]:
+    """`product`, called often enough in a row to last about `_SAMPLE_SECONDS` if one call takes
+    `seconds`."""
+    calls = max(1, math.ceil(_SAMPLE_SECONDS / seconds)) if seconds > 0 else 1
+
+    def run() -> None:
+        for _ in range(calls):
+            product()
+
+    return run
+
+
 def transposed_is_faster(weight: torch.Tensor, band: int) -> bool:
     """Whether `band` rows through `weight` multiply faster transposed, timed once per shape, band
     and number of threads on random rows (the kernel's speed depends on shapes, not values)."""
@@ -64,6 +81,8 @@ def transposed_is_faster(weight: torch.Tensor, band: int) -> bool:
             rows = torch.randn(band, weight.shape[1], dtype=weight.dtype)
             stock, transposed = (lambda: F.linear(rows, weight)), (lambda: _transposed(weight, rows))
             stock(), transposed()  # untimed: first calls pay for allocation and dispatch
+            once = min(timed(stock, weight.device)[1], timed(transposed, weight.device)[1])  # sizes the samples
+            stock, transposed = _repeated(stock, once), _repeated(transposed, once)
             # alternated, so that a burst of load hits both alike
             rounds = [
                 (timed(stock, weight.device)[1], timed(transposed, weight.device)[1]) for _ in range(_TIMING_ROUNDS)

@@ -96,11 +96,31 @@ def test_the_layout_is_timed_once_per_shape_band_and_thread_count(monkeypatch):
     weight = torch.randn(24, 16)
     assert narrow_linear.transposed_is_faster(weight, 4) is True
     assert narrow_linear.transposed_is_faster(weight, 4) is True  # remembered, not timed again
-    assert len(timed) == 2 * narrow_linear._TIMING_ROUNDS
+    assert len(timed) == 2 * (1 + narrow_linear._TIMING_ROUNDS)  # one call of each sizes the samples
     narrow_linear.transposed_is_faster(weight, 8)
-    assert len(timed) == 4 * narrow_linear._TIMING_ROUNDS
+    assert len(timed) == 4 * (1 + narrow_linear._TIMING_ROUNDS)
     threads = torch.get_num_threads()
     assert set(narrow_linear._TRANSPOSED_FASTER) == {(threads, torch.float32, 24, 16, band) for band in (4, 8)}
+
+
+def test_a_product_too_quick_to_time_once_is_timed_over_calls_that_last_a_sample(monkeypatch):
+    """A small layer's product takes microseconds, which one reading of the clock cannot tell
+    apart: each sample repeats it for about `_SAMPLE_SECONDS`, sized by one timed call."""
+    monkeypatch.setattr(narrow_linear, "_TRANSPOSED_FASTER", {})
+    products, readings = [], []
+    for layout, name in ((narrow_linear.F, "linear"), (narrow_linear, "_transposed")):
+        product = getattr(layout, name)
+        monkeypatch.setattr(layout, name, lambda *args, product=product: products.append(1) or product(*args))
+
+    def clock(run, device):  # every product takes a 32nd of a sample (a power of two divides exactly)
+        before = len(products)
+        run()
+        readings.append(len(products) - before)
+        return None, readings[-1] * narrow_linear._SAMPLE_SECONDS / 32
+
+    monkeypatch.setattr(narrow_linear, "timed", clock)
+    narrow_linear.transposed_is_faster(torch.randn(24, 16), 4)
+    assert readings == [1, 1] + [32, 32] * narrow_linear._TIMING_ROUNDS
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
