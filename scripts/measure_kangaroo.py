@@ -2,7 +2,8 @@
 often the draft agrees with the full model on its own greedy continuations of HumanEval 20-39
 (never trained or tuned on), bfloat16.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/measure_kangaroo.py [--model embedded] [--prompts N] [--device cuda] ADAPTER.safetensors [...]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/measure_kangaroo.py [--model embedded] [--prompts N] [--workload]
+        [--dtype bfloat16] [--device cuda] ADAPTER.safetensors [...]
 
 Cost: one-token forwards of the full model, verifications (forwards of the full model over 2, 4
 and 8 tokens: what a draft of 1, 3 or 7 tokens costs to check) and one-token draft steps
@@ -12,6 +13,8 @@ and the speedup a draft can give depends on it as much as on the draft's agreeme
 Agreement: the draft's argmax at each position of plain greedy's 64 new tokens, fed the full
 model's own shallow states (what a draft's first token sees), split by the draft's
 confidence: the share of positions at or above each exit threshold and the agreement there.
+`--workload` takes the shipped workload's held-out split instead (never trained or tuned on
+either) and reports agreement per category, where free text and code part ways.
 """
 
 from __future__ import annotations
@@ -80,12 +83,14 @@ def step_costs(model, adapters, input_ids) -> dict[str | int, float]:
 
 
 @torch.no_grad()
-def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float, float]]]:
+def agreement(model, tokenizer, adapters, encoded, groups) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """Per adapter and group of prompts (`groups[i]` names prompt i's): for each threshold, the
+    share of positions the draft is that confident at and its agreement there."""
     layers = decoder_layers(model)
     loaded = {a: load_adapter(model, a) for a in adapters}
-    hits = {a: {t: [0, 0] for t in THRESHOLDS} for a in adapters}
-    total = 0
-    for inputs in encoded:
+    hits = {(a, g): {t: [0, 0] for t in THRESHOLDS} for a in adapters for g in groups}
+    total = dict.fromkeys(groups, 0)
+    for inputs, group in zip(encoded, groups):
         out = model.generate(**inputs, strategy="plain", max_new_tokens=NEW_TOKENS, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)
         prompt_length = inputs["input_ids"].shape[1]
@@ -98,7 +103,7 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
             for hook in hooks:
                 hook.remove()
         targets = out[0, prompt_length:]
-        total += len(targets)
+        total[group] += len(targets)
         for a, adapter in loaded.items():
             head = RestrictedDraftHead(model, DRAFT_VOCAB, inputs["input_ids"])
             hidden = adapter(shallow[a], torch.arange(out.shape[1], device=out.device)[None])[0, prompt_length - 1 : -1]
@@ -106,14 +111,23 @@ def agreement(model, tokenizer, adapters, encoded) -> dict[str, list[tuple[float
             confidence, guess = scores.max(-1)
             for t in THRESHOLDS:
                 kept = confidence >= t
-                hits[a][t][0] += int(kept.sum())
-                hits[a][t][1] += int((guess[kept] == targets[kept]).sum())
-    return {a: [(hits[a][t][0] / total, hits[a][t][1] / max(hits[a][t][0], 1)) for t in THRESHOLDS] for a in adapters}
+                hits[a, group][t][0] += int(kept.sum())
+                hits[a, group][t][1] += int((guess[kept] == targets[kept]).sum())
+    return {
+        (a, g): [(hits[a, g][t][0] / total[g], hits[a, g][t][1] / max(hits[a, g][t][0], 1)) for t in THRESHOLDS]
+        for a in adapters for g in total
+    }
 
 
-def report(model_name: str, adapters: list[str], n_prompts: int, device: str) -> None:
-    model, tokenizer = load_model_and_tokenizer(model_name, dtype=torch.bfloat16, device=device)
-    encoded = [encode_prompt(tokenizer, p).to(model.device) for p in load_prompts("humaneval", n=n_prompts, offset=20)]
+def report(model_name: str, adapters: list[str], n_prompts: int, workload: bool, dtype: torch.dtype, device: str) -> None:
+    model, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype, device=device)
+    if workload:
+        prompts = load_prompts("workload", split="held_out")
+        groups = [f"the workload's held-out {p.category}" for p in prompts]
+    else:
+        prompts = load_prompts("humaneval", n=n_prompts, offset=20)
+        groups = [f"HumanEval 20-{19 + n_prompts}"] * len(prompts)
+    encoded = [encode_prompt(tokenizer, p).to(model.device) for p in prompts]
     costs = step_costs(model, adapters, encoded[0]["input_ids"])
     step = costs[1]
     print(f"full one-token step: {1000 * step:.1f} ms (median of {REPEATS})")
@@ -121,20 +135,24 @@ def report(model_name: str, adapters: list[str], n_prompts: int, device: str) ->
         print(f"verification of {width} tokens: {1000 * costs[width]:.1f} ms = {costs[width] / step:.2f} steps")
     for a in adapters:
         print(f"{a}: draft token {1000 * costs[a]:.1f} ms = {costs[a] / step:.3f} of a step")
-    for a, rows in agreement(model, tokenizer, adapters, encoded).items():
+    for (a, group), rows in agreement(model, tokenizer, adapters, encoded, groups).items():
         cells = ", ".join(f">={t}: share {share:.2f} agree {agree:.3f}" for t, (share, agree) in zip(THRESHOLDS, rows))
-        print(f"{a} on plain greedy's tokens for HumanEval 20-{19 + n_prompts}: {cells}", flush=True)
+        print(f"{a} on plain greedy's tokens for {group}: {cells}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=EMBEDDED, help="'embedded', or a model directory or Hub id")
     parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts from 20 on (at most 20)")
+    parser.add_argument("--workload", action="store_true",
+                        help="the workload's held-out split, by category, in place of HumanEval")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="float32 on a CPU without native bfloat16, where bfloat16 is emulated")
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     parser.add_argument("adapters", nargs="+")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    report(args.model, args.adapters, min(args.prompts, 20), args.device)
+    report(args.model, args.adapters, min(args.prompts, 20), args.workload, getattr(torch, args.dtype), args.device)
 
 
 if __name__ == "__main__":

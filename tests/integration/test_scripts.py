@@ -20,6 +20,7 @@ from helpers import REPO_ROOT
 
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
 from hf_selfspec.profiles import PROFILE_KEY
+from hf_selfspec.prompts import load_prompts
 
 
 def _run_script(name: str, *args: str) -> str:
@@ -79,3 +80,12 @@ def test_measure_kangaroo_reports_costs_and_agreement_by_threshold(tiny_llama_di
     assert agreement
     # Every draft is at least 0 confident: the lowest threshold keeps every position.
     assert agreement.group(1).startswith(">=0.0: share 1.00 agree ")
+
+
+def test_measure_kangaroo_reports_agreement_per_workload_category(tiny_llama_dir, exit1_adapter):
+    out = _run_script("measure_kangaroo.py", "--model", str(tiny_llama_dir), "--workload", "--dtype", "float32", exit1_adapter)
+    rows = re.findall(rf"^{re.escape(exit1_adapter)} on plain greedy's tokens for the workload's held-out (\w+): (.*)$",
+                      out, re.MULTILINE)
+    categories = {prompt.category for prompt in load_prompts("workload", split="held_out")}
+    assert sorted(category for category, _ in rows) == sorted(categories)
+    assert all(cells.startswith(">=0.0: share 1.00 agree ") for _, cells in rows)
