@@ -75,7 +75,7 @@ files written to --output:
   acceptance.png           distribution of accepted draft lengths per strategy
 
 examples:
-  hf-selfspec bench --prompts workload --contenders prompt_lookup,self_speculative
+  hf-selfspec bench --prompts workload --contenders prompt_lookup,tuned
   hf-selfspec bench --prompts workload --do-sample --temperature 0.7 --top-p 0.9
   hf-selfspec bench --n-prompts 10
   hf-selfspec bench --model ./my-model --config tuned/generation_config.json --prompt-offset 20
@@ -207,8 +207,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--contenders",
         metavar="NAME[,NAME...]",
         help="run only these contenders besides the baseline and those that --custom-generate and "
-        "--compare-config ask for, for example 'prompt_lookup,target_confidence_gated' to leave out "
-        "the slow early exit (default: all; names as in the table)",
+        "--compare-config ask for, for example 'prompt_lookup,tuned' for transformers' lookup and the "
+        "tuned profile's strategy ('tuned' names it), leaving out the slow early exit (default: all; "
+        "names as in the table)",
     )
     parser.add_argument(
         "--device", help="device to run on, e.g. cpu, cuda or cuda:1 (default: cuda when available, else cpu)"
@@ -315,18 +316,30 @@ def _load_assistant(path: str, tokenizer, device: str, dtype):
 
 def select_contenders(contenders: list, names: str | None) -> list:
     """The baseline, the packaged profile (there only when `--custom-generate` asked for it) and
-    the named contenders, in the bench's own order; every contender when `names` is None."""
-    from .contenders import BASELINE, CUSTOM_GENERATE
+    the named contenders, in the bench's own order; every contender when `names` is None.
+
+    `tuned` names whichever strategy the tuned profile runs: the one contender a user comparing
+    "the default" with transformers' options means, whose strategy name they would otherwise
+    have to read out of the profile."""
+    from .contenders import BASELINE, CUSTOM_GENERATE, TUNED
 
     if names is None:
         return contenders
     wanted = {name.strip() for name in names.split(",") if name.strip()}
     known = {contender.name for contender in contenders}
+    tuned = {contender.name for contender in contenders if contender.params_label == TUNED}
+    if TUNED in wanted:
+        if not tuned:
+            raise ValueError(
+                f"--contenders {names}: no tuned profile for this device and dtype to run as {TUNED!r}; "
+                "pass --config with one"
+            )
+        wanted = (wanted - {TUNED}) | tuned
     unknown = sorted(wanted - known)
     if unknown or not wanted:
         raise ValueError(
             f"--contenders {names}: unknown {', '.join(unknown) or 'empty list'}; "
-            f"choose from {', '.join(sorted(known - {BASELINE}))}"
+            f"choose from {', '.join(sorted(known - {BASELINE}) + ([TUNED] if tuned else []))}"
         )
     return [contender for contender in contenders if contender.name in wanted | {BASELINE, CUSTOM_GENERATE}]
 

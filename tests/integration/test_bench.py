@@ -405,6 +405,26 @@ def test_contenders_option_runs_the_named_ones_and_the_baseline(tiny_llama_dir, 
     assert [c["name"] for c in results["contenders"]] == [BASELINE, "prompt_lookup", "target_confidence_gated"]
 
 
+def test_tuned_names_the_strategy_the_tuned_profile_runs(tiny_llama_dir, prompt_file, tmp_path, capsys):
+    config = tmp_path / "generation_config.json"
+    profile = {"strategy": "adaptive_draft_exit", "params": {"attn_skip_layers": [1], "max_draft_tokens": 3}}
+    config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
+    output = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output)]
+    assert main([*argv, "--config", str(config), "--contenders", "prompt_lookup,tuned", *BENCH_FLAGS]) == 0
+    results = json.loads((output / "results.json").read_text())
+    assert [(c["name"], c["params_label"]) for c in results["contenders"]] == [
+        (BASELINE, "plain"), ("prompt_lookup", "10 tokens"), ("adaptive_draft_exit", "tuned")
+    ]
+    # Without a profile there is nothing for `tuned` to name: one line, before any timing.
+    assert main([*argv, "--contenders", "tuned", *BENCH_FLAGS]) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == (
+        "hf-selfspec bench: error: --contenders tuned: no tuned profile for this device and dtype to run as "
+        "'tuned'; pass --config with one"
+    )
+
+
 def test_unknown_contender_is_one_line_listing_the_choices(tiny_llama_dir, capsys):
     assert main(["bench", "--model", str(tiny_llama_dir), "--contenders", "early_exit,warp", *BENCH_FLAGS]) == 2
     last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
