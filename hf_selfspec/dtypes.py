@@ -33,6 +33,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in tiles (the `amx_bf16` flag), read from
+    the same flags as `has_native_bfloat16`."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def has_native_bfloat16(device: str | torch.device) -> bool:
     """Whether bfloat16 matrix products run in hardware here.
 

@@ -1,7 +1,8 @@
 """Tuned profiles inside `generation_config.json`: the one definition of their format.
 
 The best skip set differs per model, accelerator and dtype, so one config file carries one
-profile per `device/dtype` key under `self_speculative`:
+profile per `device/dtype` key under `self_speculative` (a CPU with matrix tiles has a class
+key of its own for bfloat16, `cpu/amx/bfloat16`, see `device_profile_keys`):
 
     "self_speculative": {
       "cpu/float32": {
@@ -26,6 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .dtypes import cpu_has_amx
 from .inputs import InputError, read_text_file
 from .params import check_param_types
 
@@ -45,14 +47,42 @@ class TunedProfile:
         return {"strategy": self.strategy, "params": dict(self.params), "measured": dict(self.measured)}
 
 
-def device_profile_key(device: torch.device | str, dtype: torch.dtype) -> str:
-    """`cpu/float32`, or `cuda/<device name>/bfloat16`: GPUs of one family differ enough in
-    memory bandwidth that their best skip sets differ, so the name is part of the key."""
+def device_profile_keys(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The keys a profile for this device and dtype may sit under, the most specific first:
+    `cuda/<device name>/bfloat16` (GPUs of one family differ enough in memory bandwidth that
+    their best skip sets differ), `cpu/amx/bfloat16` then `cpu/bfloat16` on a CPU with matrix
+    tiles (`cpu_has_amx`), else `cpu/<dtype>`.
+
+    Tiles make a bfloat16 verification of ten tokens cost little more than one, where other CPUs
+    pay for every verified token; the best proposal lengths, back-off and source choice differ
+    so much between the two that a profile tuned on one class of CPU loses on the other. A CPU
+    with tiles still falls back to a plain `cpu/bfloat16` profile where none was tuned for it.
+    """
     device = torch.device(device)
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
-        return f"cuda/{torch.cuda.get_device_name(device)}/{dtype_name}"
-    return f"{device.type}/{dtype_name}"
+        return (f"cuda/{torch.cuda.get_device_name(device)}/{dtype_name}",)
+    general = f"{device.type}/{dtype_name}"
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_amx():
+        return (f"cpu/amx/{dtype_name}", general)
+    return (general,)
+
+
+def device_profile_key(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The key a profile tuned on this device and dtype is written under: the most specific."""
+    return device_profile_keys(device, dtype)[0]
+
+
+def matching_profile(
+    profiles: Mapping[str, TunedProfile], device: torch.device | str, dtype: torch.dtype
+) -> tuple[str, TunedProfile | None]:
+    """The key and profile `profiles` hold for this device and dtype, the most specific key
+    first; without one, the most specific key and None."""
+    keys = device_profile_keys(device, dtype)
+    for key in keys:
+        if key in profiles:
+            return key, profiles[key]
+    return keys[0], None
 
 
 def parse_profile(raw: Any, where: str) -> TunedProfile:
@@ -145,15 +175,15 @@ def profile_for_model(
     profiles = read_profiles(model.generation_config) if profiles is None else profiles
     if not profiles:
         return None
-    key = device_profile_key(model.device, model.dtype)
-    if key in profiles:
-        return profiles[key]
+    key, profile = matching_profile(profiles, model.device, model.dtype)
+    if profile is not None:
+        return profile
     if (id(model), key) not in _warned_keys:
         _warned_keys.add((id(model), key))
         logger.warning(
             "generation_config has self-speculative profiles for %s but not for %s; decoding plainly. "
             "Run `hf-selfspec tune` on this device to add one.",
             ", ".join(sorted(profiles)),
-            key,
+            " or ".join(device_profile_keys(model.device, model.dtype)),
         )
     return None

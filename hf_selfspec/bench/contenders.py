@@ -16,7 +16,7 @@ import torch
 from ..layer_skip import decoder_layers
 from ..params import resolve_params
 from ..profile_files import anchor_profile_files
-from ..profiles import TunedProfile, device_profile_key, read_profiles, read_profiles_file
+from ..profiles import TunedProfile, matching_profile, read_profiles, read_profiles_file
 from ..strategies import resolve_strategy
 
 BASELINE = "baseline"
@@ -91,8 +91,7 @@ def compared_profile_contender(model, config_path: str | Path) -> Contender:
     instead of two runs whose machine drift differs. Its draft adapter resolves against that
     file's directory, as `generate` would resolve it with that config loaded."""
     config_path = Path(config_path)
-    key = device_profile_key(model.device, model.dtype)
-    profile = read_profiles_file(config_path).get(key)
+    key, profile = matching_profile(read_profiles_file(config_path), model.device, model.dtype)
     if profile is None:
         raise ValueError(f"--compare-config {config_path} has no profile for {key}")
     params = _profile_params(model, profile, config_path.resolve().parent)
@@ -107,8 +106,7 @@ def compared_profile_contender(model, config_path: str | Path) -> Contender:
 def tuned_profile(model) -> tuple[str, TunedProfile | None]:
     """The profile key for the device and dtype the model runs on, and its profile if the
     model's `generation_config` carries one (a profile for other hardware does not count)."""
-    key = device_profile_key(model.device, model.dtype)
-    return key, read_profiles(model.generation_config).get(key)
+    return matching_profile(read_profiles(model.generation_config), model.device, model.dtype)
 
 
 def build_contenders(

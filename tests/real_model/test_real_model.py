@@ -24,6 +24,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Case keywords name shipped files as a profile does, relative to the directory they ship in.
 SHIPPED = Path(str(TUNED_CONFIG)).parent
 ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-generation_config.json")["cpu/bfloat16"]
+# The default a CPU with AMX applies in bfloat16, which no other CPU selects: run here in each dtype.
+AMX_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/amx/bfloat16"]
 
 
 STRATEGY_KWARGS = {
@@ -44,6 +46,8 @@ STRATEGY_KWARGS = {
                               "draft_adapter": "kangaroo-exit1.safetensors"},
     # Kangaroo alone as tuned where wide verifications are cheap: six-token drafts, three runner-ups each (25 rows).
     "kangaroo_alone_profile": {"strategy": ALONE_PROFILE.strategy, **ALONE_PROFILE.params},
+    # Thirteen-token lookups into the general corpus, the general adapter's drafts, no back-off.
+    "amx_default_profile": {"strategy": AMX_PROFILE.strategy, **AMX_PROFILE.params},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
@@ -112,12 +116,11 @@ def test_the_verifiers_matrix_layout_keeps_decoding_lossless(smollm2, monkeypatc
 
 def test_shipped_profile_is_applied_by_default_and_consistent(smollm2):
     """`load_embedded()` applies the profile tuned for this device and dtype, and it stays lossless."""
-    from hf_selfspec.profiles import device_profile_key, read_profiles
+    from hf_selfspec.profiles import matching_profile, read_profiles
 
     reference_model, cases = smollm2
     model, _ = hf_selfspec.load_embedded(dtype=reference_model.dtype)
-    key = device_profile_key(model.device, model.dtype)
-    profile = read_profiles(model.generation_config).get(key)
+    key, profile = matching_profile(read_profiles(model.generation_config), model.device, model.dtype)
     assert profile is not None, f"{TUNED_CONFIG} has no profile for {key}"
     for prompt_id, inputs, plain in cases:
         output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)

@@ -9,12 +9,15 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from hf_selfspec import profiles as profiles_module
 from hf_selfspec.embedded import TUNED_CONFIG
 from hf_selfspec.profile_files import files_named_by
 from hf_selfspec.profiles import (
     PROFILE_KEY,
     TunedProfile,
     device_profile_key,
+    device_profile_keys,
+    matching_profile,
     parse_profile,
     read_profiles,
     read_profiles_file,
@@ -33,9 +36,58 @@ CPU_PROFILE = TunedProfile(
 )
 
 
-def test_device_key():
+@pytest.fixture
+def amx(monkeypatch):
+    """Whether this CPU has AMX, as the profile keys see it: set per test, whatever CPU runs it."""
+
+    def set_amx(present: bool) -> None:
+        monkeypatch.setattr(profiles_module, "cpu_has_amx", lambda: present)
+
+    return set_amx
+
+
+def test_device_key(amx):
+    amx(False)
     assert device_profile_key("cpu", torch.float32) == "cpu/float32"
     assert device_profile_key(torch.device("cpu"), torch.bfloat16) == "cpu/bfloat16"
+    assert device_profile_keys("cpu", torch.bfloat16) == ("cpu/bfloat16",)
+    amx(True)
+    assert device_profile_keys("cpu", torch.bfloat16) == ("cpu/amx/bfloat16", "cpu/bfloat16")
+    assert device_profile_key("cpu", torch.bfloat16) == "cpu/amx/bfloat16"  # where a tune on it writes
+    assert device_profile_keys("cpu", torch.float32) == ("cpu/float32",)  # AMX multiplies no float32
+
+
+def test_a_cpu_with_amx_prefers_its_own_profile_and_falls_back_to_the_general_one(amx):
+    general = TunedProfile("kangaroo", {"prompt_lookup_tokens": 6})
+    amx_profile = TunedProfile("kangaroo", {"prompt_lookup_tokens": 10})
+    both = {"cpu/bfloat16": general, "cpu/amx/bfloat16": amx_profile}
+    amx(True)
+    assert matching_profile(both, "cpu", torch.bfloat16) == ("cpu/amx/bfloat16", amx_profile)
+    assert matching_profile({"cpu/bfloat16": general}, "cpu", torch.bfloat16) == ("cpu/bfloat16", general)
+    assert matching_profile({"cpu/float32": general}, "cpu", torch.bfloat16) == ("cpu/amx/bfloat16", None)
+    amx(False)
+    assert matching_profile(both, "cpu", torch.bfloat16) == ("cpu/bfloat16", general)
+    assert matching_profile({"cpu/amx/bfloat16": amx_profile}, "cpu", torch.bfloat16) == ("cpu/bfloat16", None)
+
+
+def test_generate_on_a_cpu_with_amx_decodes_with_its_own_profile(amx, caplog):
+    model = tiny_model("llama", initializer_range=0.3).to(torch.bfloat16)
+    write_profile(model.generation_config, "cpu/bfloat16", CPU_PROFILE)
+    write_profile(model.generation_config, "cpu/amx/bfloat16", TunedProfile("self_speculative", {"max_draft_tokens": 2}))
+    amx(True)
+    on_amx = model.generate(PROMPT, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+    assert on_amx.strategy_stats.strategy == "self_speculative"
+    assert max(on_amx.strategy_stats.accepted_lengths) <= 2
+    amx(False)
+    elsewhere = model.generate(PROMPT, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+    assert elsewhere.strategy_stats.strategy == "adaptive_draft_exit"
+    amx(True)
+    only_elsewhere = tiny_model("llama").to(torch.bfloat16)
+    write_profile(only_elsewhere.generation_config, "cpu/float32", CPU_PROFILE)
+    with caplog.at_level(logging.WARNING, logger="hf_selfspec.profiles"):
+        assert only_elsewhere.generate(PROMPT, max_new_tokens=5, do_sample=False, return_dict_in_generate=True).get(
+            "strategy_stats") is None
+    assert any("but not for cpu/amx/bfloat16 or cpu/bfloat16" in r.getMessage() for r in caplog.records)
 
 
 def test_profiles_round_trip_and_merge_keeps_other_devices(tmp_path):
