@@ -39,7 +39,8 @@ def run_benchmark(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Measure, greedily or with `sampling`, then write `results.json`, `speedup.png`,
-    `speedup_by_category.png` and `acceptance.png`; returns the results.
+    `speedup_by_category.png` and `acceptance.png`; returns the results. An interrupted run
+    writes the prompts it finished (`runner.measure`).
 
     The output directory is created first so that an unwritable path fails before, not after,
     minutes of measuring."""
@@ -54,6 +55,7 @@ def run_benchmark(
         repeats=repeats,
         sampling=sampling,
         progress=progress,
+        keep_when_interrupted=True,
     )
     results = results_document(
         measurements,

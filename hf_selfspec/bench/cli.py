@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from importlib import resources
 from importlib.util import find_spec
@@ -35,7 +36,8 @@ layers) and each built-in self-speculative strategy, in one process on the same 
 greedily or, with --do-sample, sampling with the same settings and seeds for every contender.
 Runs are interleaved (baseline, contender 1, contender 2, ... on each prompt, then the next
 prompt) so that machine drift hits every contender alike. One warm-up run per contender comes
-first and is not counted.
+first and is not counted. Stopped by Ctrl-C or SIGTERM, it reports and writes the prompts it
+finished and exits with status 130.
 
 --prompts workload is the general workload shipped with hf-selfspec: eight kinds of text
 (conversation, writing, translation, summarisation, QA, math, document QA, code) in a tune
@@ -405,17 +407,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:  # a tuned profile that does not fit this model, an unknown name
         return _fail(error)
     command = {key: value for key, value in vars(args).items() if key != "func"}
-    results = run_benchmark(
-        model,
-        tokenizer,
-        prompts,
-        contenders,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        output_dir=args.output,
-        sampling=sampling,
-        command=command,
-    )
+    # A scheduler's SIGTERM (a job's time limit, `timeout`) stops the run as Ctrl-C does, so the
+    # prompts already measured are written rather than lost.
+    previous_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        results = run_benchmark(
+            model,
+            tokenizer,
+            prompts,
+            contenders,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            output_dir=args.output,
+            sampling=sampling,
+            command=command,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     print(render(results, color=sys.stdout.isatty() and "NO_COLOR" not in os.environ))
     written = ", ".join(str(Path(args.output) / name) for name in OUTPUT_FILES)
     print(f"\nwrote {written}")
@@ -427,4 +435,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    stopped = results["settings"]["stopped_early"]
+    if stopped:
+        print(
+            f"hf-selfspec bench: interrupted; the results cover {results['settings']['prompts']} of "
+            f"{stopped['planned_prompts']} prompts",
+            file=sys.stderr,
+        )
+        return 130
     return 0

@@ -199,6 +199,13 @@ def category_indices(measurements: Measurements) -> dict[str, list[int]]:
     return groups
 
 
+def _stopped_early(planned: tuple[int, int] | None) -> dict[str, int] | None:
+    if planned is None:
+        return None
+    prompts, repeats = planned
+    return {"planned_prompts": prompts, "planned_repeats": repeats}
+
+
 def results_document(
     measurements: Measurements,
     *,
@@ -231,6 +238,7 @@ def results_document(
             "warmup_runs_per_contender": 1,
             "sampling": sampling.to_json() if sampling is not None else None,
             "speedup_metric": SECONDS_PER_TOKEN,
+            "stopped_early": _stopped_early(measurements.planned),
         },
         "skip_sets": skip_sets,
         "baseline": BASELINE,

@@ -2,6 +2,11 @@
 
 Running A B C A B C rather than A A A B B B B C C C spreads slow drift (thermal throttling, a
 noisy neighbour, a background job) over all contenders alike, so it cancels in their ratios.
+
+A run stopped part-way (Ctrl-C, or a job scheduler's SIGTERM that the command line turns into
+the same interruption) can keep what it finished, as the bench asks: every prompt that each
+contender has decoded in the first repeat, or every whole repeat after that. Minutes of timings
+on a machine borrowed for a few are then not lost to the prompts that did not fit.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Measurements:
     references: list[TimedRun]
     logit_dtype: torch.dtype
     sampling: Sampling | None = None
+    # (prompts, repeats) the run was asked for, when an interruption stopped it short of them
+    planned: tuple[int, int] | None = None
 
 
 def measure(
@@ -46,11 +53,16 @@ def measure(
     repeats: int,
     sampling: Sampling | None = None,
     progress: bool = True,
+    keep_when_interrupted: bool = False,
 ) -> Measurements:
-    """Decode each prompt plainly once for reference, then time each contender on each prompt
-    `repeats` times, after one uncounted warm-up run per contender on the first prompt (lazy
-    initialisation, allocator growth and, on GPUs, kernel selection would otherwise land on
-    whichever contender happens to run first).
+    """Time each contender on each prompt `repeats` times, after one uncounted warm-up run per
+    contender on the first prompt (lazy initialisation, allocator growth and, on GPUs, kernel
+    selection would otherwise land on whichever contender happens to run first). In the first
+    repeat each prompt is first decoded plainly, untimed, for reference.
+
+    Interrupted (KeyboardInterrupt) after at least one prompt, with `keep_when_interrupted`, it
+    returns what was finished, with `planned` set; otherwise it re-raises, as a caller that acts
+    on the figures (the tuner choosing a winner) needs.
 
     With `sampling`, every contender samples with its settings, each timed call of repeat `r`
     starting from seed `sampling.seed + r`, and no reference is decoded."""
@@ -69,41 +81,51 @@ def measure(
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     common = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
     runs: dict[str, list[list[TimedRun]]] = {name: [[] for _ in range(repeats)] for name in names}
-    reference_prompts = encoded if sampling is None else []
 
     def run(contender: Contender, inputs, repeat: int) -> TimedRun:
         if sampling is not None:
             sampling.reseed(repeat)
         return timed_generate(model, inputs, **common, **contender.generate_kwargs)
 
-    total = len(reference_prompts) + len(contenders) * (1 + repeats * len(prompts))
-    with tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", desc="bench", dynamic_ncols=True) as bar:
-        references = []
-        for index, inputs in enumerate(reference_prompts):
-            bar.set_postfix_str(f"reference {index + 1}/{len(encoded)}")
-            references.append(
-                timed_generate(model, inputs, **common, strategy=PLAIN, do_sample=False, output_logits=True)
-            )
-            bar.update()
-        for contender in contenders:
-            bar.set_postfix_str(f"warm-up {contender.name}")
-            run(contender, encoded[0], 0)
-            bar.update()
-        for repeat in range(repeats):
-            for index, inputs in enumerate(encoded):
-                for contender in contenders:
-                    bar.set_postfix_str(
-                        f"repeat {repeat + 1}/{repeats} prompt {index + 1}/{len(encoded)} {contender.name}"
-                    )
-                    runs[contender.name][repeat].append(run(contender, inputs, repeat))
-                    bar.update()
+    total = (len(prompts) if sampling is None else 0) + len(contenders) * (1 + repeats * len(prompts))
+    references: list[TimedRun] = []
+    finished_prompts = finished_repeats = 0  # measured for every contender
+    bar = tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", desc="bench", dynamic_ncols=True)
+    try:
+        with bar:
+            for contender in contenders:
+                bar.set_postfix_str(f"warm-up {contender.name}")
+                run(contender, encoded[0], 0)
+                bar.update()
+            for repeat in range(repeats):
+                for index, inputs in enumerate(encoded):
+                    if repeat == 0 and sampling is None:
+                        bar.set_postfix_str(f"reference {index + 1}/{len(encoded)}")
+                        references.append(
+                            timed_generate(model, inputs, **common, strategy=PLAIN, do_sample=False, output_logits=True)
+                        )
+                        bar.update()
+                    for contender in contenders:
+                        bar.set_postfix_str(
+                            f"repeat {repeat + 1}/{repeats} prompt {index + 1}/{len(encoded)} {contender.name}"
+                        )
+                        runs[contender.name][repeat].append(run(contender, inputs, repeat))
+                        bar.update()
+                    finished_prompts = index + 1
+                finished_repeats = repeat + 1
+    except KeyboardInterrupt:
+        if not keep_when_interrupted or not (finished_repeats or finished_prompts):
+            raise
+    kept_prompts = len(prompts) if finished_repeats else finished_prompts
+    kept_repeats = finished_repeats or 1
     return Measurements(
-        prompts=list(prompts),
+        prompts=list(prompts[:kept_prompts]),
         contenders=list(contenders),
-        runs=runs,
+        runs={name: [done[:kept_prompts] for done in per_repeat[:kept_repeats]] for name, per_repeat in runs.items()},
         max_new_tokens=max_new_tokens,
-        repeats=repeats,
-        references=references,
+        repeats=kept_repeats,
+        references=references[:kept_prompts],
         logit_dtype=model.dtype,
         sampling=sampling,
+        planned=None if (kept_prompts, kept_repeats) == (len(prompts), repeats) else (len(prompts), repeats),
     )

@@ -187,6 +187,12 @@ def render(results: dict[str, Any], color: bool = False) -> str:
         f"{settings['prompts']} prompts x {settings['max_new_tokens']} new tokens, {settings['repeats']} repeat(s), "
         f"{_decoding(settings)}, {machine['device_name']} ({machine['device']}, {machine['dtype']})"
     )
+    stopped = settings["stopped_early"]
+    if stopped:
+        title += (
+            f"\nstopped early: {settings['prompts']} of {stopped['planned_prompts']} prompts, "
+            f"{settings['repeats']} of {stopped['planned_repeats']} repeat(s) measured"
+        )
     lines = [title, "", *_grid(headers, _main_rows(results), color, left_columns=2)]
     lines += _category_lines(results, color)
     lines += _notes(results, color)

@@ -301,6 +301,103 @@ def test_bench_exits_with_status_1_when_one_of_ours_diverges(tiny_llama_dir, pro
     assert "ours: tokens diverge from plain greedy beyond a near-tie on 1 prompt(s): p" in captured.out
 
 
+def _interrupting(at_call: int, interrupt):
+    """`timed_generate` that calls `interrupt()` in place of its `at_call`-th call (from 1), to stop
+    a bench at a chosen point of its order: warm-ups, then per prompt its reference (greedy, first
+    repeat only) and each contender."""
+    import hf_selfspec.bench.runner as runner
+
+    real = runner.timed_generate
+    calls = 0
+
+    def timed_generate(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == at_call:
+            interrupt()
+        return real(*args, **kwargs)
+
+    return timed_generate
+
+
+def _raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    ("at_call", "prompts", "repeats"),
+    [
+        (7, 1, 1),  # prompt 2's first contender, repeat 1: prompt 1 is kept
+        (9, 2, 1),  # repeat 2's first call: repeat 1 is kept whole
+        (12, 2, 1),  # repeat 2's last call: repeat 1 is kept, the half-done repeat 2 is not
+        (13, 2, 2),  # never reached: the run finishes
+    ],
+)
+def test_an_interrupted_run_keeps_what_every_contender_finished(tiny_model, prompt_file, monkeypatch, at_call,
+                                                                prompts, repeats):
+    import hf_selfspec.bench.runner as runner
+
+    model, tokenizer = tiny_model
+    plain = {"strategy": PLAIN, "do_sample": False}
+    contenders = [Contender(BASELINE, plain, "baseline", "-"), Contender("twin", plain, "transformers", "-")]
+    monkeypatch.setattr(runner, "timed_generate", _interrupting(at_call, _raise_keyboard_interrupt))
+    measured = measure(model, tokenizer, load_prompts(prompt_file), contenders, max_new_tokens=4, repeats=2,
+                       progress=False, keep_when_interrupted=True)
+    assert [prompt.id for prompt in measured.prompts] == ["add", "sea"][:prompts]
+    assert measured.repeats == repeats and len(measured.references) == prompts
+    assert all(len(done) == prompts for runs in measured.runs.values() for done in runs)
+    assert all(len(runs) == repeats for runs in measured.runs.values())
+    assert measured.planned == (None if (prompts, repeats) == (2, 2) else (2, 2))
+    stopped = results_document(measured, machine={}, skip_sets={}, command={})["settings"]["stopped_early"]
+    assert stopped == (None if measured.planned is None else {"planned_prompts": 2, "planned_repeats": 2})
+
+
+@pytest.mark.parametrize(
+    ("at_call", "keep"),
+    [
+        (3, True),  # prompt 1's baseline run: nothing finished to keep
+        (4, False),  # prompt 2's reference: the caller did not ask to keep prompt 1
+    ],
+)
+def test_an_interruption_propagates_with_nothing_to_keep_or_unasked(tiny_model, prompt_file, monkeypatch, at_call,
+                                                                    keep):
+    import hf_selfspec.bench.runner as runner
+
+    model, tokenizer = tiny_model
+    contenders = [Contender(BASELINE, {"strategy": PLAIN, "do_sample": False}, "baseline", "-")]
+    monkeypatch.setattr(runner, "timed_generate", _interrupting(at_call, _raise_keyboard_interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        measure(model, tokenizer, load_prompts(prompt_file), contenders, max_new_tokens=4, repeats=1, progress=False,
+                keep_when_interrupted=keep)
+
+
+def test_sigterm_writes_the_prompts_measured_and_exits_130(tiny_llama_dir, prompt_file, tmp_path, monkeypatch,
+                                                           capsys):
+    """What a job's time limit does: SIGTERM part-way through the second prompt."""
+    import os
+    import signal
+
+    import hf_selfspec.bench.runner as runner
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    # warm-ups 1-2, prompt 1: reference 3, baseline 4, lookup 5; prompt 2: reference 6
+    monkeypatch.setattr(runner, "timed_generate", _interrupting(6, lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    output = tmp_path / "out"
+    status = main(["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output),
+                   "--contenders", "prompt_lookup", *BENCH_FLAGS])
+    assert status == 130
+    assert signal.getsignal(signal.SIGTERM) == handler_before
+    results = json.loads((output / "results.json").read_text())
+    assert results["settings"]["prompts"] == 1
+    assert results["settings"]["stopped_early"] == {"planned_prompts": 2, "planned_repeats": 1}
+    assert [prompt["id"] for prompt in results["prompts"]] == ["add"]
+    assert all(len(contender["per_prompt"]) == 1 for contender in results["contenders"])
+    assert_valid_png(output / "speedup.png")
+    captured = capsys.readouterr()
+    assert "stopped early: 1 of 2 prompts, 1 of 1 repeat(s) measured" in captured.out
+    assert "interrupted; the results cover 1 of 2 prompts" in captured.err
+
+
 def test_tuned_profile_drives_its_strategy_only(tiny_llama_dir, tmp_path):
     config = tmp_path / "generation_config.json"
     profile = {"strategy": "self_speculative", "params": {"attn_skip_layers": [1], "max_draft_tokens": 3}}
