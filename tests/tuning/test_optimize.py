@@ -245,9 +245,13 @@ def test_tune_needs_a_study_or_a_model(capsys):
 
 
 def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monkeypatch, one_thread):
-    """Where the budget pays for training (here: the floor lowered), the adapter stage trains the
+    """Where the budget pays for training (here: the floor lowered, and the stage's share fixed so
+    that a slow machine cannot spend it in the stages before), the adapter stage trains the
     derived exit layers and the study chooses among them; stopped before confirming, to stay short."""
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    share = optimize_module._Run.share
+    monkeypatch.setattr(optimize_module._Run, "share",
+                        lambda run, stage: 60.0 if stage == "adapter" else share(run, stage))
     monkeypatch.setattr(optimize_module, "MIN_ADAPTER_STEPS", 1)
     monkeypatch.setattr(optimize_module, "_MAX_ADAPTER_STEPS", 2)
     monkeypatch.setattr(optimize_module, "_MAX_STDLIB_TOKENS", 2048)
