@@ -11,6 +11,11 @@ STAMP := $(VENV)/.installed
 LOWEST_TRANSFORMERS := 5.23.0
 LOWEST_VENV := .venv-transformers-$(LOWEST_TRANSFORMERS)
 
+# The tests run on every core (pytest-xdist), one OpenMP thread each. A test file stays in one
+# process, so its module fixtures (a loaded model, a finished study) are built once. At most four
+# processes: each may hold the embedded model in memory.
+PYTEST_FLAGS := -n auto --maxprocesses 4 --dist loadfile
+
 .PHONY: run test test-lowest-transformers setup
 
 setup: $(STAMP)
@@ -35,7 +40,7 @@ run: $(STAMP)
 	$(BIN)/hf-selfspec quickstart
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_FLAGS)
 
 test-lowest-transformers: $(LOWEST_VENV)/.installed
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(LOWEST_VENV)/bin/python -m pytest -m version_sensitive
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(LOWEST_VENV)/bin/python -m pytest $(PYTEST_FLAGS) -m version_sensitive

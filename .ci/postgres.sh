@@ -1,7 +1,7 @@
 # Start a throw-away PostgreSQL server for the tuner's shared-storage test.
 #
 # Sourced by .ci/run (`source .ci/postgres.sh`); it exports HF_SELFSPEC_TEST_POSTGRES_URL, which
-# tests/test_tuning_postgres.py reads (and, under CI, insists on). It installs Debian's
+# tests/tuning/test_tuning_postgres.py reads (and, under CI, insists on). It installs Debian's
 # `postgresql` when it is missing, initialises a cluster in a temporary directory as the
 # `postgres` user (initdb refuses root), listens on 127.0.0.1 only, on a free port, and stops the
 # server when the sourcing shell exits. Sourcing it twice reuses a server that still answers.
