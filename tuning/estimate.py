@@ -658,13 +658,16 @@ class CostModelWatch:
     and not alike at every width: the cost model timed at the start would then price every
     later trial wrong. Every `every` trials the plain step and the widest verification are timed
     again side by side (`probe`, in rounds); when their ratio has moved by more than `tolerance`
-    from what the same probe read when the cost model was last timed, the whole model is timed
-    again (`retime`) and the objective prices the trials after it with that. The probe is
-    compared with itself, not with the cost model's ratio: the cost model times every width
-    and draft interleaved in more rounds, so the two read the same load a little differently,
-    and only a change in the probe's own reading is the load's. Each re-time is recorded in
-    the study's user attrs (`cost_model_retimes`) and logged, so a study's values can be read
-    with it in mind.
+    from what the same probe read when the cost model was last timed, at two probes running and
+    the same way, the whole model is timed again (`retime`) and the objective prices the trials
+    after it with that. One reading, or two taken back to back, is not enough: on a shared host
+    a neighbour's load comes and goes in episodes of seconds to a minute, which move a probe's
+    ratio as far as a lasting change does, while a re-time costs a whole calibration and leaves
+    the values before it and after it priced apart. The probe is compared with itself, not with
+    the cost model's ratio: the cost model times every width and draft interleaved in more
+    rounds, so the two read the same load a little differently, and only a change in the probe's
+    own reading is the load's. Each re-time is recorded in the study's user attrs
+    (`cost_model_retimes`) and logged, so a study's values can be read with it in mind.
     """
 
     def __init__(
@@ -681,33 +684,48 @@ class CostModelWatch:
         self.narrow, self.wide = min(probe), max(probe)
         self.trials = 0
         self.reference = self.probe_ratio()  # the cost model was timed just before
+        self.previous_drift: float | None = None  # the last probe's ratio, if past the tolerance
 
     def probe_ratio(self) -> float:
         """What the widest probed verification costs now, in plain steps."""
         seconds = interleaved_medians(self.probe, _PROBE_ROUNDS, self.timer)
         return seconds[self.wide] / seconds[self.narrow]
 
+    def _drift(self, ratio: float) -> int:
+        """1 or -1 where `ratio` is past the tolerance above or below the reference, else 0."""
+        change = ratio / self.reference - 1
+        return 0 if abs(change) <= self.tolerance else (1 if change > 0 else -1)
+
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         self.trials += 1
         if self.trials % self.every:
             return
-        measured = self.probe_ratio()
-        if abs(measured / self.reference - 1) <= self.tolerance:
+        measured, previous = self.probe_ratio(), self.previous_drift
+        drift = self._drift(measured)
+        self.previous_drift = measured if drift else None
+        if not drift or previous is None or self._drift(previous) != drift:
             return
         self.objective.cost = rescaled_overheads(self.objective.cost, self.retime())
         retimes = [
             *study.user_attrs.get("cost_model_retimes", []),
-            {"after_trial": trial.number, "probe_ratio": measured, "reference_ratio": self.reference},
+            {
+                "after_trial": trial.number,
+                "probe_ratio": measured,
+                "previous_probe_ratio": previous,
+                "reference_ratio": self.reference,
+            },
         ]
         study.set_user_attr("cost_model_retimes", retimes)
         logger.info(
             "The cost model was timed again after trial %d: a %d-token verification now costs %.2f plain steps, "
-            "%.2f when the model was last timed",
+            "%.2f at the probe before, %.2f when the model was last timed",
             trial.number,
             self.wide,
             measured,
+            previous,
             self.reference,
         )
+        self.previous_drift = None
         self.reference = self.probe_ratio()
 
 

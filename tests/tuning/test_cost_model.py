@@ -109,20 +109,54 @@ def test_a_drift_within_the_tolerance_is_not_timed_again():
 
 
 def test_a_ratio_that_drifts_past_the_tolerance_times_the_model_again_once_and_records_it():
-    # From trial 12 the wide verification costs 4 plain steps instead of 3: the probe after
-    # trial 19 sees it; the model timed then prices it so, and the probe after trial 29 agrees.
-    study, objective, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 3.0} if n < 12 else {1: 1.0, 8: 4.0})
+    # From trial 12 the wide verification costs 4 plain steps instead of 3: the probes after
+    # trials 19 and 29 both see it; the model timed then prices it so, and the probes after
+    # trials 39 and 49 agree with it.
+    study, objective, retimed = _study_with_watch(
+        lambda n: {1: 1.0, 8: 3.0} if n < 12 else {1: 1.0, 8: 4.0}, n_trials=50
+    )
     assert retimed == [_cost(1.0, 4.0)]
     assert objective.cost.verify_seconds == retimed[0].verify_seconds
     [record] = study.user_attrs["cost_model_retimes"]
+    assert record["after_trial"] == 29
+    assert record["probe_ratio"] == record["previous_probe_ratio"] == 4.0 and record["reference_ratio"] == 3.0
+
+
+def _wide_at(prices: dict[int, float]):
+    """Prices for `_study_with_watch`: the wide verification at `prices[n]` while trial n is the
+    latest, 3 plain steps otherwise; the probe after trial n reads it."""
+    return lambda n: {1: 1.0, 8: prices.get(n, 3.0)}
+
+
+def test_one_probe_slowed_by_a_passing_episode_of_load_times_nothing_again():
+    study, objective, retimed = _study_with_watch(_wide_at({9: 4.0}), n_trials=20)
+    assert retimed == []
+    assert objective.cost == _cost(1.0, 3.0)
+    assert "cost_model_retimes" not in study.user_attrs
+
+
+def test_two_probes_running_past_the_tolerance_on_either_side_time_nothing_again():
+    _, _, retimed = _study_with_watch(_wide_at({9: 4.0, 19: 2.0}), n_trials=20)  # a swinging load, not a new price
+    assert retimed == []
+
+
+def test_probes_past_the_tolerance_with_one_within_it_between_time_nothing_again():
+    _, _, retimed = _study_with_watch(_wide_at({9: 4.0, 29: 4.0}), n_trials=30)
+    assert retimed == []
+
+
+def test_two_probes_running_past_the_tolerance_the_same_way_time_the_model_again():
+    study, _, retimed = _study_with_watch(_wide_at({9: 4.0, 19: 3.6}), n_trials=20)
+    assert retimed == [_cost(1.0, 3.6)]
+    [record] = study.user_attrs["cost_model_retimes"]
     assert record["after_trial"] == 19
-    assert record["probe_ratio"] == 4.0 and record["reference_ratio"] == 3.0
+    assert (record["previous_probe_ratio"], record["probe_ratio"], record["reference_ratio"]) == (4.0, 3.6, 3.0)
 
 
 def test_the_probe_runs_only_every_so_many_trials():
-    _, _, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 4.0}, every=10, n_trials=9)
+    _, _, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 4.0}, every=10, n_trials=19)
     assert retimed == []
-    _, _, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 4.0}, every=10, n_trials=10)
+    _, _, retimed = _study_with_watch(lambda n: {1: 1.0, 8: 4.0}, every=10, n_trials=20)
     assert len(retimed) == 1
 
 

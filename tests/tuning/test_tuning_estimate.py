@@ -560,17 +560,17 @@ def test_a_study_that_spent_its_budget_runs_nothing_and_times_nothing(tmp_path, 
 
 
 def test_an_estimated_study_re_checks_its_cost_model_and_records_each_re_time(tmp_path, tiny_llama_dir, monkeypatch):
-    """The watch runs with the study: here it probes after every trial and, with no tolerance,
-    times the cost model again every time, which the study records."""
+    """The watch runs with the study: here it probes after every trial and every probe reads a
+    drift upwards, so every second probe, the two running past the tolerance, times the cost
+    model again, which the study records."""
     from functools import partialmethod
 
     from hf_selfspec.tuning.estimate import CostModelWatch
 
-    monkeypatch.setattr(
-        CostModelWatch, "__init__", partialmethod(CostModelWatch.__init__, every=1, tolerance=-1.0)
-    )
-    path = _estimated_study_config(tmp_path, tiny_llama_dir, n_trials=3)
+    monkeypatch.setattr(CostModelWatch, "__init__", partialmethod(CostModelWatch.__init__, every=1))
+    monkeypatch.setattr(CostModelWatch, "_drift", lambda self, ratio: 1)
+    path = _estimated_study_config(tmp_path, tiny_llama_dir, n_trials=4)
     outcome = run_tune(load_study_config(path), show_progress=False)
     retimes = outcome.study.user_attrs["cost_model_retimes"]
-    assert [record["after_trial"] for record in retimes] == [0, 1, 2]
-    assert len(outcome.study.get_trials(states=(TrialState.COMPLETE,))) == 3
+    assert [record["after_trial"] for record in retimes] == [1, 3]
+    assert len(outcome.study.get_trials(states=(TrialState.COMPLETE,))) == 4
