@@ -52,9 +52,9 @@ SHARES = {"corpus": 0.15, "adapter": 0.25, "confirm": 0.15}
 _REQUEST_TOKENS, _ANSWER_TOKENS, _CONTINUATION_TOKENS = 64, 128, 128
 _CANDIDATES_PER_REQUEST = 4
 _CHUNK_TOKENS, _BATCH_CHUNKS = 256, 4
-# A training step runs the adapter's block and the head forward and back: counted as three of
-# the model's forward passes over a batch's tokens through the whole model, to stay on the safe side.
-_STEP_FORWARDS = 3
+# The share of the corpus's tokens that the training vocabulary (the lowest ids) covers: the
+# draft head keeps the lowest ids too, and on a large vocabulary the head is most of a step's cost.
+_TRAINING_COVERAGE = 0.9
 MIN_ADAPTER_STEPS = 100
 _MAX_ADAPTER_STEPS = 2000
 _MAX_STDLIB_TOKENS = 100_000
@@ -220,12 +220,10 @@ def _corpus(run: _Run) -> dict[str, Any]:
 
     measured = run.stages["measure"]
     # The adapter's standard-library text is part of [corpus], and the model's text is generated
-    # once for every command given the same [corpus]: so the adapter's share is planned here too.
-    adapter, _ = adapter_plan(
-        SHARES["adapter"] * run.request.budget_seconds, measured["batch_forward_seconds"], _space(run).exit_layers
-    )
+    # once for every command given the same [corpus]: so the adapter's text is planned here too,
+    # whether or not the adapter stage finds that training pays.
     table = {
-        "stdlib_tokens": adapter.get("stdlib_tokens", 0),
+        "stdlib_tokens": adapter_text_tokens(SHARES["adapter"] * run.request.budget_seconds, measured["batch_forward_seconds"]),
         "chunk_tokens": _CHUNK_TOKENS,
         **corpus_plan(run.share("corpus"), measured["seconds_per_token"], measured["chat"]),
     }
@@ -243,44 +241,62 @@ def _corpus(run: _Run) -> dict[str, Any]:
     return {"corpus": str(written), "table": table}
 
 
-def adapter_plan(seconds: float, batch_forward_seconds: float, exit_layers: tuple[int, ...]) -> tuple[dict[str, int], str]:
-    """Training steps and standard-library tokens that fit in `seconds` (a third for the teacher's
-    pass over the corpus, the rest for training each exit layer), or no plan and why not."""
-    step_seconds = _STEP_FORWARDS * batch_forward_seconds
-    batch_tokens = _CHUNK_TOKENS * _BATCH_CHUNKS
-    stdlib_tokens = min(_MAX_STDLIB_TOKENS, int(seconds / 3 / batch_forward_seconds * batch_tokens))
+def adapter_text_tokens(seconds: float, batch_forward_seconds: float) -> int:
+    """Standard-library tokens whose teacher pass takes a third of the adapter stage's `seconds`."""
+    return min(_MAX_STDLIB_TOKENS, int(seconds / 3 / batch_forward_seconds * _CHUNK_TOKENS * _BATCH_CHUNKS))
+
+
+def adapter_plan(seconds: float, step_seconds: float, exit_layers: tuple[int, ...]) -> tuple[int, str]:
+    """Training steps per exit layer that fit in two thirds of `seconds` (the rest is the teacher's
+    pass over the corpus) at `step_seconds` a step, or 0 and why not."""
     steps = min(_MAX_ADAPTER_STEPS, int(seconds * 2 / 3 / step_seconds / len(exit_layers)))
     if steps < MIN_ADAPTER_STEPS:
-        return {}, (
+        return 0, (
             f"skipped: {seconds / 60:.1f} min pays for {steps} training steps per exit layer "
             f"({step_seconds:.2f} s each), fewer than the {MIN_ADAPTER_STEPS} an adapter needs; give a larger --budget"
         )
-    return {"steps": steps, "stdlib_tokens": stdlib_tokens}, f"{steps} steps per exit layer"
+    return steps, f"{steps} steps per exit layer ({step_seconds:.2f} s each)"
 
 
 def _adapter(run: _Run) -> dict[str, Any]:
-    from .train_adapter import describe_result, load_train_config, run_train_adapter
+    from .train_adapter import describe_result, load_train_config, run_train_adapter, training_chunks
+    from .training import covering_vocabulary, time_training_step
 
-    measured = run.stages["measure"]
     space = _space(run)
-    plan, reason = adapter_plan(run.share("adapter"), measured["batch_forward_seconds"], space.exit_layers)
     print(f"     {space.reasons[-1]}", flush=True)
-    print(f"     adapter: {reason}", flush=True)
-    if not plan:
-        return {"adapters": {}, "reason": reason}
-    steps = plan["steps"]
     path = run.request.work / "train-adapter.toml"
-    path.write_text(
-        toml_tables({
-            "model": model_entries(run.request.model),
-            "corpus": run.stages["corpus"]["table"],  # the corpus stage's, so its generated text is reused
-            "adapter": {"exit_layers": list(space.exit_layers), "output_dir": "."},
-            "training": {"steps": steps, "batch_chunks": _BATCH_CHUNKS, "eval_every": max(1, steps // 4),
-                         "checkpoint_every": max(1, steps // 10)},
-        }),
-        encoding="utf-8",
-    )
-    results = run_train_adapter(load_train_config(path), run.request.show_progress)
+
+    def write_config(training: dict[str, int]):
+        path.write_text(
+            toml_tables({
+                "model": model_entries(run.request.model),
+                "corpus": run.stages["corpus"]["table"],  # the corpus stage's, so its generated text is reused
+                "adapter": {"exit_layers": list(space.exit_layers), "output_dir": "."},
+                "training": training,
+            }),
+            encoding="utf-8",
+        )
+        return load_train_config(path)
+
+    model, tokenizer = run.request.model.load()
+    model.requires_grad_(False)
+    chunks = training_chunks(write_config({}), model, tokenizer, run.request.show_progress)
+    if len(chunks) < 2:  # one to train on and one to measure it
+        reason = f"skipped: the corpus holds {len(chunks)} chunk(s) of {_CHUNK_TOKENS} tokens; give a larger --budget"
+        print(f"     adapter: {reason}", flush=True)
+        return {"adapters": {}, "reason": reason}
+    full_vocabulary = model.get_output_embeddings().weight.shape[0]
+    vocab_size = covering_vocabulary(chunks, _TRAINING_COVERAGE, full_vocabulary)
+    print(f"     adapter: the KL is taken over the lowest {vocab_size or full_vocabulary} of {full_vocabulary} token ids, "
+          f"which cover {_TRAINING_COVERAGE:.0%} of the corpus's tokens", flush=True)
+    step_seconds = time_training_step(model, max(space.exit_layers), True, vocab_size, _BATCH_CHUNKS, _CHUNK_TOKENS)
+    steps, reason = adapter_plan(run.share("adapter"), step_seconds, space.exit_layers)
+    print(f"     adapter: {reason}", flush=True)
+    if not steps:
+        return {"adapters": {}, "reason": reason}
+    config = write_config({"steps": steps, "batch_chunks": _BATCH_CHUNKS, "vocab_size": vocab_size,
+                           "eval_every": max(1, steps // 4), "checkpoint_every": max(1, steps // 10)})
+    results = run_train_adapter(config, run.request.show_progress, loaded=(model, tokenizer))
     print(f"     {describe_result(results)}", flush=True)
     return {"adapters": {p.stem: str(p) for _, p, _ in results}, "agreement": {str(e): a for e, _, a in results},
             "reason": reason}

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from hf_selfspec.adapter import check_exit_layer
 from hf_selfspec.files import cache_root
 from hf_selfspec.files import adapter_files
@@ -82,8 +84,17 @@ def work_dir(config: TrainAdapterConfig) -> Path:
     return cache_root() / "adapter-training" / key
 
 
-def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True) -> list[tuple[int, Path, float]]:
-    model, tokenizer = config.model.load()
+def training_chunks(config: TrainAdapterConfig, model, tokenizer, show_progress: bool) -> torch.Tensor:
+    """The corpus the adapters train on, the model's text generated (or read back from the cache)."""
+    return corpus_chunks(
+        tokenizer, config.corpus, model, generated_text_file(config.model, config.corpus), show_progress, config.model
+    )
+
+
+def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, loaded=None) -> list[tuple[int, Path, float]]:
+    """Train every exit layer's adapter; `loaded` is the `(model, tokenizer)` the config names,
+    where the caller has already loaded them."""
+    model, tokenizer = config.model.load() if loaded is None else loaded
     model.requires_grad_(False)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if config.training.vocab_size > vocab_size:
@@ -96,9 +107,7 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True) ->
             check_exit_layer(exit_layer, num_layers, f"{config.path}: adapter.exit_layers")
         except ValueError as error:
             raise StudyConfigError(str(error)) from None
-    chunks = corpus_chunks(
-        tokenizer, config.corpus, model, generated_text_file(config.model, config.corpus), show_progress, config.model
-    )
+    chunks = training_chunks(config, model, tokenizer, show_progress)
     teacher = teacher_outputs(model, chunks, config.adapter.exit_layers, work_dir(config) / "teacher.pt", show_progress)
     results = []
     for exit_layer in config.adapter.exit_layers:

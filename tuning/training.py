@@ -8,6 +8,9 @@ killed at any moment and resumed ends with the same weights as an uninterrupted 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +18,14 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
+from hf_selfspec.measure import timed
 
 from .model_text import atomic_save
 from .teacher import TEACHER_BATCH, TeacherOutputs
 
 logger = logging.getLogger(__name__)
+
+_TIMED_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,12 @@ class TrainingConfig:
     checkpoint_every: int = 100
 
 
+# Above this many bytes the teacher's logits over the training vocabulary are not kept for the
+# whole corpus but computed again for each batch: a large vocabulary over a long corpus would
+# not fit in host memory (tokens x vocabulary x 4 bytes).
+_KEPT_TARGET_BYTES = 2 * 2**30
+
+
 class _DistillationHead:
     """The model's LM head over the training vocabulary, in float32, frozen."""
 
@@ -46,6 +58,16 @@ class _DistillationHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden.float() @ self.weight.T  # under autocast, in its reduced precision
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+
+def covering_vocabulary(chunks: torch.Tensor, share: float, vocab_size: int, multiple: int = 1024) -> int:
+    """The fewest lowest token ids, rounded up to `multiple`, that cover `share` of `chunks`'
+    tokens; 0 (the whole vocabulary) where that takes all `vocab_size`. A vocabulary whose
+    frequent tokens have high ids (single characters at the end of it) needs nearly all of it."""
+    ordered = chunks.flatten().sort().values
+    needed = int(ordered[min(len(ordered) - 1, math.ceil(share * len(ordered)) - 1)]) + 1
+    rounded = -(-needed // multiple) * multiple
+    return 0 if rounded >= vocab_size else rounded
 
 
 def _batch_indices(train_count: int, step: int, batch: int, seed: int) -> torch.Tensor:
@@ -65,13 +87,58 @@ def _reduced_precision(model) -> torch.autocast:
 
 @torch.no_grad()
 def teacher_logits(model, head: _DistillationHead, final: torch.Tensor) -> torch.Tensor:
-    """The teacher's logits over the training vocabulary for every chunk, computed once rather
-    than at every step that draws the chunk again (the head's product is a large part of a step).
-    Kept in host memory in the autocast precision the step would compute them in, so a step sees
-    the same values: `chunks x chunk_tokens x vocab_size` of them, which a training `vocab_size`
-    below the model's keeps in bounds."""
+    """The teacher's logits over the training vocabulary for `final`'s chunks, in the autocast
+    precision the step computes the student's in."""
     with _reduced_precision(model):
         return torch.cat([head(part.to(model.device)).cpu() for part in final.split(TEACHER_BATCH)])
+
+
+def teacher_targets(model, head: _DistillationHead, final: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The teacher's logits for a batch of chunk indices. Computed once for the whole corpus,
+    rather than at every step that draws a chunk again (the head's product is a large part of a
+    step), where they fit in `_KEPT_TARGET_BYTES` of host memory; else per batch."""
+    kept_bytes = final.shape[0] * final.shape[1] * head.weight.shape[0] * torch.finfo(torch.float32).bits // 8
+    if kept_bytes <= _KEPT_TARGET_BYTES:
+        kept = teacher_logits(model, head, final)
+        return lambda batch: kept[batch]
+    return lambda batch: teacher_logits(model, head, final[batch])
+
+
+def distillation_step(
+    model, adapter: DraftAdapter, head: _DistillationHead, optimizer: torch.optim.Optimizer,
+    shallow: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
+) -> float:
+    """One optimizer step of the KL from the teacher's logits `target` to the draft's over a batch
+    of chunks whose states entering the exit layer are `shallow`; the loss."""
+    with _reduced_precision(model):
+        student = head(adapter(shallow.to(model.device).float(), positions.expand(shallow.shape[0], -1)))
+    # The loss and the optimizer stay in float32.
+    student, target = torch.log_softmax(student.float(), dim=-1), torch.log_softmax(target.to(model.device).float(), dim=-1)
+    loss = torch.nn.functional.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def time_training_step(model, exit_layer: int, mlp: bool, vocab_size: int, batch_chunks: int, chunk_tokens: int) -> float:
+    """Median seconds of a training step for `exit_layer` over the lowest `vocab_size` ids (0: all),
+    the teacher's logits for the batch included, on random states (the cost depends on shapes,
+    not values) and a throwaway adapter."""
+    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)).float().train()
+    adapter.requires_grad_(True)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4)
+    head = _DistillationHead(model, vocab_size)
+    hidden_size = head.weight.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    shallow, final = (torch.randn(batch_chunks, chunk_tokens, hidden_size, generator=generator) for _ in range(2))
+    positions = torch.arange(chunk_tokens, device=model.device)[None]
+
+    def step() -> None:
+        distillation_step(model, adapter, head, optimizer, shallow, teacher_logits(model, head, final), positions)
+
+    step()  # untimed: the first step pays for allocation
+    return statistics.median(timed(step, model.device)[1] for _ in range(_TIMED_STEPS))
 
 
 @torch.no_grad()
@@ -105,7 +172,7 @@ def train_exit_layer(
     heldout = max(1, round(shallow.shape[0] * heldout_fraction))
     train_count = shallow.shape[0] - heldout
     # The teacher's outputs stay in host memory (the whole corpus's), a batch at a time on the model's device.
-    targets = teacher_logits(model, head, final[:train_count])
+    targets = teacher_targets(model, head, final[:train_count])
     positions = torch.arange(shallow.shape[1], device=model.device)[None]
 
     step, agreement, loss_value = 0, float("nan"), float("nan")
@@ -119,17 +186,8 @@ def train_exit_layer(
                disable=None if show_progress else True)
     while step < training.steps:
         batch = _batch_indices(train_count, step, training.batch_chunks, training.seed)
-        # The loss and the optimizer stay in float32.
-        with _reduced_precision(model):
-            student = head(adapter(shallow[batch].to(model.device).float(), positions.expand(len(batch), -1)))
-        target = targets[batch].to(model.device)
-        student, target = torch.log_softmax(student.float(), dim=-1), torch.log_softmax(target.float(), dim=-1)
-        loss = torch.nn.functional.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss_value = distillation_step(model, adapter, head, optimizer, shallow[batch], targets(batch), positions)
         step += 1
-        loss_value = loss.item()
         if step % training.eval_every == 0 or step == training.steps:
             adapter.eval()
             agreement = heldout_agreement(adapter, head, shallow[train_count:], final[train_count:])

@@ -19,7 +19,7 @@ from hf_selfspec.profiles import read_profiles, read_profiles_file
 from hf_selfspec.tuning import optimize as optimize_module
 from hf_selfspec.tuning.config import load_study_config
 from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
-from hf_selfspec.tuning.optimize import STAGES, STATE_FILE, STUDY_FILE, WORK_DIR, adapter_plan, corpus_plan
+from hf_selfspec.tuning.optimize import STAGES, STATE_FILE, STUDY_FILE, WORK_DIR, adapter_plan, adapter_text_tokens, corpus_plan
 
 # Minutes: enough on the tiny model for every stage, the adapter included, to do some work.
 BUDGET = "1"
@@ -224,10 +224,13 @@ def test_budgets_size_the_corpus_and_the_adapter():
     base = corpus_plan(600, 0.01, chat=False)
     assert "self_prompted" not in base and base["stdlib_prompts"] > 0 and base["generated_tokens"] > 0
     assert base["stdlib_functions"] == large["stdlib_functions"]
-    plan, reason = adapter_plan(5, 0.5, (1, 4))
-    assert plan == {} and "skipped" in reason and "--budget" in reason
-    plan, reason = adapter_plan(600, 0.1, (1, 4))
-    assert plan["steps"] >= optimize_module.MIN_ADAPTER_STEPS and plan["stdlib_tokens"] > 0
+    steps, reason = adapter_plan(5, 0.5, (1, 4))
+    assert steps == 0 and "skipped" in reason and "--budget" in reason
+    steps, reason = adapter_plan(600, 0.1, (1, 4))
+    assert steps >= optimize_module.MIN_ADAPTER_STEPS and "0.10 s" in reason
+    # A step that costs a tenth as much pays for ten times the steps, up to the cap.
+    assert adapter_plan(15, 0.01, (1,))[0] == 10 * adapter_plan(15, 0.1, (1,))[0] == 1000
+    assert 0 < adapter_text_tokens(10, 0.5) < adapter_text_tokens(600, 0.5) <= optimize_module._MAX_STDLIB_TOKENS
 
 
 def test_tune_with_a_model_and_no_study_file(tiny_llama_dir, tmp_path, capsys, one_thread):
@@ -266,3 +269,22 @@ def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monk
     study = load_study_config(tmp_path / "out" / STUDY_FILE)
     assert study.search.strategy == "kangaroo"
     assert list(study.search.draft_adapters.values()) == list(stages["adapter"]["adapters"].values())
+
+
+def test_a_corpus_without_two_chunks_skips_the_adapter_and_says_why(tiny_llama_dir, tmp_path, monkeypatch, one_thread):
+    """Nothing to train on and measure with is a skipped stage, not a traceback from the trainer."""
+    import torch
+
+    from hf_selfspec.tuning import train_adapter
+
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(train_adapter, "training_chunks", lambda *args: torch.zeros((1, 256), dtype=torch.long))
+
+    def stop(run):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(optimize_module, "_tune", stop)
+    assert _optimize(tiny_llama_dir, tmp_path / "out") == 130
+    adapter = _state(tmp_path / "out")["stages"]["adapter"]
+    assert adapter["adapters"] == {} and "1 chunk(s)" in adapter["reason"]
+

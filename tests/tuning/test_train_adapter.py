@@ -21,7 +21,9 @@ from tuning.corpus import (
     CorpusConfig, corpus_chunks, generation_prompts, humaneval_problems, split_stdlib_stream, stdlib_function_prompts,
 )
 from tuning.model_text import generated_texts
+from tuning import training as training_module
 from tuning.train_adapter import load_train_config, run_train_adapter
+from tuning.training import covering_vocabulary, time_training_step
 
 STEPS = 300
 
@@ -62,6 +64,46 @@ def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_ll
 
     model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
     assert read_adapter(model, uninterrupted).shape.exit_layer == exit_layer == 2
+
+
+def test_a_corpus_too_large_for_its_logits_trains_on_logits_computed_per_batch(tiny_llama_dir, tmp_path, monkeypatch):
+    """Keeping the teacher's logits for a whole corpus over a large vocabulary would not fit in
+    memory: past the bound they are computed for each batch, and the adapter comes out the same."""
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache-kept"))
+    [(_, kept, _)] = run_train_adapter(load_train_config(_config(tmp_path / "kept", tiny_llama_dir, steps=20)), False)
+    computed = []
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache-per-batch"))  # no checkpoint to resume from
+    monkeypatch.setattr(training_module, "_KEPT_TARGET_BYTES", 0)
+    monkeypatch.setattr(training_module, "teacher_logits", _counting(training_module.teacher_logits, computed))
+    [(_, per_batch, _)] = run_train_adapter(load_train_config(_config(tmp_path / "per-batch", tiny_llama_dir, steps=20)), False)
+    assert len(computed) == 20  # one batch's logits a step, never the corpus's
+    first, second = load_file(str(kept)), load_file(str(per_batch))
+    for name in first:
+        torch.testing.assert_close(first[name], second[name], msg=name)
+
+
+def _counting(function, calls: list):
+    def counted(*args):
+        calls.append(args[-1].shape[0])
+        return function(*args)
+
+    return counted
+
+
+def test_the_training_vocabulary_covers_a_share_of_the_corpus_from_the_lowest_ids():
+    chunks = torch.tensor([[5] * 90 + [3000] * 9 + [60000]])
+    assert covering_vocabulary(chunks, 0.9, 65536) == 1024  # id 5, rounded up
+    assert covering_vocabulary(chunks, 0.99, 65536) == 3072
+    assert covering_vocabulary(chunks, 1.0, 65536) == 60416
+    assert covering_vocabulary(chunks, 1.0, 60100) == 0  # rounded past the vocabulary: the whole head
+    assert covering_vocabulary(chunks, 0.9, 1000) == 0
+
+
+def test_a_training_step_is_timed_on_its_vocabulary(tiny_llama_dir):
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
+    model.requires_grad_(False)
+    seconds = time_training_step(model, 1, True, 64, 2, 16)
+    assert 0 < seconds < 60
 
 
 @pytest.mark.parametrize(
