@@ -261,26 +261,15 @@ def adapter_plan(seconds: float, step_seconds: float, exit_layers: tuple[int, ..
 def _adapter(run: _Run) -> dict[str, Any]:
     from .train_adapter import describe_result, load_train_config, run_train_adapter, training_chunks
     from .training import covering_vocabulary, time_training_step
+    from .write_lookup_corpus import load_lookup_corpus_config
 
     space = _space(run)
     print(f"     {space.reasons[-1]}", flush=True)
-    path = run.request.work / "train-adapter.toml"
-
-    def write_config(training: dict[str, int]):
-        path.write_text(
-            toml_tables({
-                "model": model_entries(run.request.model),
-                "corpus": run.stages["corpus"]["table"],  # the corpus stage's, so its generated text is reused
-                "adapter": {"exit_layers": list(space.exit_layers), "output_dir": "."},
-                "training": training,
-            }),
-            encoding="utf-8",
-        )
-        return load_train_config(path)
-
+    # The corpus stage's own config, so that the text it generated is read back, not generated again.
+    corpus_config = load_lookup_corpus_config(run.request.work / "lookup-corpus.toml")
     model, tokenizer = run.request.model.load()
     model.requires_grad_(False)
-    chunks = training_chunks(write_config({}), model, tokenizer, run.request.show_progress)
+    chunks = training_chunks(corpus_config.corpus, corpus_config.model, model, tokenizer, run.request.show_progress)
     if len(chunks) < 2:  # one to train on and one to measure it
         reason = f"skipped: the corpus holds {len(chunks)} chunk(s) of {_CHUNK_TOKENS} tokens; give a larger --budget"
         print(f"     adapter: {reason}", flush=True)
@@ -294,8 +283,18 @@ def _adapter(run: _Run) -> dict[str, Any]:
     print(f"     adapter: {reason}", flush=True)
     if not steps:
         return {"adapters": {}, "reason": reason}
-    config = write_config({"steps": steps, "batch_chunks": _BATCH_CHUNKS, "vocab_size": vocab_size,
-                           "eval_every": max(1, steps // 4), "checkpoint_every": max(1, steps // 10)})
+    path = run.request.work / "train-adapter.toml"
+    path.write_text(
+        toml_tables({
+            "model": model_entries(run.request.model),
+            "corpus": run.stages["corpus"]["table"],
+            "adapter": {"exit_layers": list(space.exit_layers), "output_dir": "."},
+            "training": {"steps": steps, "batch_chunks": _BATCH_CHUNKS, "vocab_size": vocab_size,
+                         "eval_every": max(1, steps // 4), "checkpoint_every": max(1, steps // 10)},
+        }),
+        encoding="utf-8",
+    )
+    config = load_train_config(path)
     results = run_train_adapter(config, run.request.show_progress, loaded=(model, tokenizer))
     print(f"     {describe_result(results)}", flush=True)
     return {"adapters": {p.stem: str(p) for _, p, _ in results}, "agreement": {str(e): a for e, _, a in results},

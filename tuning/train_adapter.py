@@ -84,10 +84,12 @@ def work_dir(config: TrainAdapterConfig) -> Path:
     return cache_root() / "adapter-training" / key
 
 
-def training_chunks(config: TrainAdapterConfig, model, tokenizer, show_progress: bool) -> torch.Tensor:
+def training_chunks(
+    corpus: CorpusConfig, model_config: ModelConfig, model, tokenizer, show_progress: bool
+) -> torch.Tensor:
     """The corpus the adapters train on, the model's text generated (or read back from the cache)."""
     return corpus_chunks(
-        tokenizer, config.corpus, model, generated_text_file(config.model, config.corpus), show_progress, config.model
+        tokenizer, corpus, model, generated_text_file(model_config, corpus), show_progress, model_config
     )
 
 
@@ -107,7 +109,7 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, lo
             check_exit_layer(exit_layer, num_layers, f"{config.path}: adapter.exit_layers")
         except ValueError as error:
             raise StudyConfigError(str(error)) from None
-    chunks = training_chunks(config, model, tokenizer, show_progress)
+    chunks = training_chunks(config.corpus, config.model, model, tokenizer, show_progress)
     teacher = teacher_outputs(model, chunks, config.adapter.exit_layers, work_dir(config) / "teacher.pt", show_progress)
     results = []
     for exit_layer in config.adapter.exit_layers:

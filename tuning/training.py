@@ -121,13 +121,19 @@ def distillation_step(
     return loss.item()
 
 
+def _trainable_adapter(model, exit_layer: int, mlp: bool, lr: float) -> tuple[DraftAdapter, torch.optim.Optimizer]:
+    """A new adapter for `exit_layer`, a copy of that (frozen) layer, in training mode with its
+    master weights in float32, and its optimizer."""
+    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)).float().train()
+    adapter.requires_grad_(True)
+    return adapter, torch.optim.AdamW(adapter.parameters(), lr=lr)
+
+
 def time_training_step(model, exit_layer: int, mlp: bool, vocab_size: int, batch_chunks: int, chunk_tokens: int) -> float:
     """Median seconds of a training step for `exit_layer` over the lowest `vocab_size` ids (0: all),
     the teacher's logits for the batch included, on random states (the cost depends on shapes,
     not values) and a throwaway adapter."""
-    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)).float().train()
-    adapter.requires_grad_(True)
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=1e-4)
+    adapter, optimizer = _trainable_adapter(model, exit_layer, mlp, lr=1e-4)
     head = _DistillationHead(model, vocab_size)
     hidden_size = head.weight.shape[1]
     generator = torch.Generator().manual_seed(0)
@@ -163,10 +169,7 @@ def train_exit_layer(
     the last `heldout_fraction` of the chunks, which measure it, and write it to `output`;
     `(written file, held-out agreement)`."""
     torch.manual_seed(training.seed)
-    # The adapter starts as a copy of the (frozen) exit layer; its master weights are float32.
-    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)).float().train()
-    adapter.requires_grad_(True)
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=training.lr)
+    adapter, optimizer = _trainable_adapter(model, exit_layer, mlp, training.lr)
     head = _DistillationHead(model, training.vocab_size)
     shallow, final = teacher.shallow[exit_layer], teacher.final
     heldout = max(1, round(shallow.shape[0] * heldout_fraction))

@@ -272,7 +272,8 @@ def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monk
 
 
 def test_a_corpus_without_two_chunks_skips_the_adapter_and_says_why(tiny_llama_dir, tmp_path, monkeypatch, one_thread):
-    """Nothing to train on and measure with is a skipped stage, not a traceback from the trainer."""
+    """Nothing to train on and measure with is a skipped stage, not a traceback from the trainer,
+    and it leaves no training config behind that would train nothing."""
     import torch
 
     from hf_selfspec.tuning import train_adapter
@@ -287,4 +288,5 @@ def test_a_corpus_without_two_chunks_skips_the_adapter_and_says_why(tiny_llama_d
     assert _optimize(tiny_llama_dir, tmp_path / "out") == 130
     adapter = _state(tmp_path / "out")["stages"]["adapter"]
     assert adapter["adapters"] == {} and "1 chunk(s)" in adapter["reason"]
+    assert not (tmp_path / "out" / "work" / "train-adapter.toml").exists()
 
