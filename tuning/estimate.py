@@ -56,7 +56,7 @@ from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
-from hf_selfspec.strategies import Strategy, resolve_strategy
+from hf_selfspec.strategies import PLAIN, Strategy, resolve_strategy
 
 from .categories import CategorySpeedups
 from .config import SearchConfig
@@ -331,7 +331,11 @@ _LOOP_PROBE = {
 def calibrate_loop(
     model, cost: CostModel, prompts: Sequence[TeacherForcedPrompt], generate_kwargs: dict[str, Any]
 ) -> CostModel:
-    """Add our decoding loop's own per-step overhead, from one real decode of every prompt."""
+    """Add our decoding loop's own per-step overhead: what a real decode of every prompt spent
+    beyond its priced forward passes. Each is timed beside a plain decode of the same prompt and
+    read in the cost model's units (plain's priced seconds over its timed ones): a load on the
+    machine while they ran slows both alike, and is not taken for the loop's overhead, which
+    would then price every trial of the study too slow."""
     params = resolve_params(cost.num_layers, _LOOP_PROBE)
     real = modelled = steps = 0.0
     for data in prompts:
@@ -340,9 +344,10 @@ def calibrate_loop(
         )
         modelled += seconds
         steps += stats.verification_steps + stats.plain_steps + 1
-        real += timed_generate(
-            model, data.prompt.inputs, strategy="self_speculative", **params.as_dict(), **generate_kwargs
-        ).seconds
+        inputs = data.prompt.inputs
+        loop = timed_generate(model, inputs, strategy="self_speculative", **params.as_dict(), **generate_kwargs).seconds
+        plain = timed_generate(model, inputs, strategy=PLAIN, **generate_kwargs).seconds
+        real += loop * plain_seconds(data, cost) / plain
     return dataclasses.replace(cost, loop_step_overhead=max((real - modelled) / steps, 0.0))
 
 
@@ -706,6 +711,7 @@ class CostModelWatch:
         if not drift or previous is None or self._drift(previous) != drift:
             return
         self.objective.cost = rescaled_overheads(self.objective.cost, self.retime())
+        record_cost_model(study, self.objective.cost)
         retimes = [
             *study.user_attrs.get("cost_model_retimes", []),
             {
@@ -741,6 +747,12 @@ def rescaled_overheads(old: CostModel, new: CostModel) -> CostModel:
         plain_step_overhead=old.plain_step_overhead * scale,
         loop_step_overhead=old.loop_step_overhead * scale,
     )
+
+
+def record_cost_model(study: optuna.Study, cost: CostModel) -> None:
+    """Keep the prices the study's estimates are made at with the study, so that an estimate
+    far from its confirmation can be traced to the price that misled it."""
+    study.set_user_attr("cost_model", dataclasses.asdict(cost))
 
 
 def estimated_objective(

@@ -30,7 +30,7 @@ from . import TuningError
 from .categories import describe_categories, is_feasible
 from .config import StudyConfig, check_adapters_fit
 from .dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
-from .estimate import check_supported, estimated_objective, teacher_force
+from .estimate import check_supported, estimated_objective, record_cost_model, teacher_force
 from .objective import LosslessViolation, SpeedupObjective, prepare_prompts
 from .space import warm_start_trials
 from .study_prompts import select_study_prompts
@@ -271,6 +271,7 @@ def run_tune(
             objective, cost_watch = estimated_objective(
                 model, forced, config.search, num_layers, widest, generate_kwargs, worker, floor
             )
+            record_cost_model(study, objective.cost)
             callbacks.append(cost_watch)
         else:
             objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)

@@ -3,6 +3,9 @@ tokens with priced seconds, and the study that confirms its best estimates by re
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import optuna
 import pytest
 import torch
@@ -386,6 +389,28 @@ def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(s
     assert cost.draft_token_seconds(full_model_draft) == pytest.approx(cost.adapter_draft_seconds[adapter])
 
 
+def test_a_load_while_the_loop_is_timed_is_not_taken_for_its_overhead(sharp_llama, monkeypatch):
+    """The loop's real decode is timed beside a plain one: a neighbour that slows both threefold
+    leaves the loop's per-step overhead as it reads on an idle machine."""
+    from hf_selfspec.tuning import estimate
+
+    data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
+    cost = dataclasses.replace(PRICES, loop_step_overhead=0.0)
+    probe = resolve_params(NUM_LAYERS, estimate._LOOP_PROBE)
+    modelled, stats = _estimate(sharp_llama, data, probe, "self_speculative", cost)
+    steps = stats.verification_steps + stats.plain_steps + 1
+    overhead, load = 0.05, [1.0]
+
+    def timed_generate(model, inputs, strategy, **kwargs):  # an idle machine's seconds, times the load
+        idle = plain_seconds(data, cost) if strategy == "plain" else modelled + steps * overhead
+        return types.SimpleNamespace(seconds=idle * load[0])
+
+    monkeypatch.setattr(estimate, "timed_generate", timed_generate)
+    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+    load[0] = 3.0
+    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+
+
 def test_the_probe_verifies_outside_autograd_as_decoding_does(sharp_llama):
     """The cost-model watch probes from an Optuna callback, where autograd is on. A verification
     recorded for autograd would chain its graph onto the shared cache's, so every probe would
@@ -562,15 +587,21 @@ def test_a_study_that_spent_its_budget_runs_nothing_and_times_nothing(tmp_path, 
 def test_an_estimated_study_re_checks_its_cost_model_and_records_each_re_time(tmp_path, tiny_llama_dir, monkeypatch):
     """The watch runs with the study: here it probes after every trial and every probe reads a
     drift upwards, so every second probe, the two running past the tolerance, times the cost
-    model again, which the study records."""
+    model again, which the study records, with the prices it then estimates at."""
     from functools import partialmethod
 
+    from hf_selfspec.tuning import estimate
     from hf_selfspec.tuning.estimate import CostModelWatch
 
     monkeypatch.setattr(CostModelWatch, "__init__", partialmethod(CostModelWatch.__init__, every=1))
     monkeypatch.setattr(CostModelWatch, "_drift", lambda self, ratio: 1)
+    rescaled = estimate.rescaled_overheads
+    retimed_constants = iter((101.0, 102.0))
+    monkeypatch.setattr(estimate, "rescaled_overheads", lambda old, new: dataclasses.replace(
+        rescaled(old, new), draft_constant=next(retimed_constants)))
     path = _estimated_study_config(tmp_path, tiny_llama_dir, n_trials=4)
     outcome = run_tune(load_study_config(path), show_progress=False)
     retimes = outcome.study.user_attrs["cost_model_retimes"]
     assert [record["after_trial"] for record in retimes] == [1, 3]
+    assert outcome.study.user_attrs["cost_model"]["draft_constant"] == 102.0  # the last re-time's
     assert len(outcome.study.get_trials(states=(TrialState.COMPLETE,))) == 4
