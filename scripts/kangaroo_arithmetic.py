@@ -72,7 +72,7 @@ def report(model_name: str, adapters: list[str], n_prompts: int, dtype: torch.dt
     for prompt in load_prompts("humaneval", n=n_prompts, offset=20):
         inputs = encode_prompt(tokenizer, prompt)
         run = timed_generate(model, inputs, strategy="plain", max_new_tokens=NEW_TOKENS, do_sample=False)
-        prepared = PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, torch.empty(0), run.seconds)
+        prepared = PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, torch.empty(0))
         forced.append(dataclasses.replace(teacher_force(model, prepared, NEW_TOKENS), prefill_seconds=0.0))
     cost = step_priced_cost(num_layers, args.verify_cost, args.draft_base, args.draft_per_layer)
     plain_steps = sum(plain_seconds(data, cost) for data in forced)

@@ -227,22 +227,40 @@ def verification_runs(model, data: TeacherForcedPrompt, widths: Sequence[int]) -
 @torch.no_grad()
 def calibrate(
     model,
-    prompts: Sequence[TeacherForcedPrompt],
+    sample: TeacherForcedPrompt,
     num_layers: int,
     max_verify_tokens: int,
     draft_adapters: Sequence[str] = (),
     timer: Timer | None = None,
+    generate_kwargs: Mapping[str, Any] = {},
 ) -> CostModel:
-    """Time the verifier at every width, the draft at a few skip sets, the LM head and each
-    trained adapter's draft, after the first prompt, all interleaved (`interleaved_medians`), so
-    that every price is relative to the same plain step under the same load.
+    """Time the verifier at every width, the draft at a few skip sets, the LM head, each trained
+    adapter's draft and a plain decode of `sample`, after `sample`'s text, all interleaved
+    (`interleaved_medians`), so that every price is relative to the same plain step under the
+    same load.
 
-    What the prompts' plain decodes spent beyond their prefill and one forward per token is the
-    per-step overhead (the median, since the first decode of a process also pays its warm-up).
+    What that plain decode spends beyond its prefill and one forward per token is plain's
+    per-step overhead. It may come out below zero, where plain decoding's own step costs less
+    than a timed verification of one token; it is a correction, so that plain is priced at what
+    it takes. Read off decodes timed at another moment (the prompts' first decodes), under
+    another load than the forward passes, it would misprice plain against them, and
+    `calibrate_loop`, which reads the loop's time in units of plain's, would carry that error
+    into every step of every trial.
     """
     timer = timer or device_timer(model.device)
-    sample = prompts[0]
     cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
+    inputs = {name: tensor.to(model.device) for name, tensor in sample.prompt.inputs.items()}
+    prompt_ids = inputs["input_ids"]
+    prefill_cache = DraftAwareCache()
+
+    def prefill() -> None:
+        prefill_cache.rollback(0)
+        _forward(model, prompt_ids, 0, prefill_cache, 1)
+
+    def plain_decode() -> None:
+        # Stopped where plain decoding stopped, so that it decodes exactly the sample's reference.
+        kwargs = {"do_sample": False, **generate_kwargs, "max_new_tokens": len(sample.reference)}
+        model.generate(**inputs, strategy=PLAIN, **kwargs)
 
     def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
         sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
@@ -288,15 +306,13 @@ def calibrate(
         "full head": head_run(model.get_output_embeddings()),
         **{("head", size): head_run(RestrictedDraftHead(model, size, text[:1])) for size in _HEAD_SIZES},
         **{path: adapter_draft(path) for path in draft_adapters},
+        "prefill": prefill,
+        "plain": plain_decode,
     }
     seconds = interleaved_medians(runs, _CALIBRATION_ROUNDS, timer)
     verify_seconds = (0.0, *(seconds[tokens] for tokens in range(1, max_verify_tokens + 1)))
-    overheads = sorted(
-        (data.prompt.plain_seconds - data.prefill_seconds - (len(data.reference) - 1) * verify_seconds[1])
-        / len(data.reference)
-        for data in prompts
-        if len(data.reference) > 1
-    )
+    steps = len(sample.reference)
+    plain_step_overhead = (seconds["plain"] - seconds["prefill"] - (steps - 1) * verify_seconds[1]) / steps
     full, one_attention, one_mlp = (seconds[name] / _CALIBRATION_TOKENS for name in ("full", "one attention", "one mlp"))
     heads = ("full head", *(("head", size) for size in _HEAD_SIZES))
     full_head, small_head, large_head = (seconds[name] / _HEAD_CALLS for name in heads)
@@ -307,7 +323,7 @@ def calibrate(
     return CostModel(
         num_layers=num_layers,
         verify_seconds=verify_seconds,
-        plain_step_overhead=max(overheads[len(overheads) // 2], 0.0) if overheads else 0.0,
+        plain_step_overhead=plain_step_overhead,
         draft_constant=full - num_layers * (attention_seconds + mlp_seconds),
         attention_seconds=attention_seconds,
         mlp_seconds=mlp_seconds,
@@ -769,7 +785,10 @@ def estimated_objective(
     re-checks that cost model during the study (to pass to `study.optimize`)."""
 
     def time_cost_model() -> CostModel:
-        return calibrate(model, prompts, num_layers, max_verify_tokens, search.draft_adapters.values())
+        return calibrate(
+            model, prompts[0], num_layers, max_verify_tokens, search.draft_adapters.values(),
+            generate_kwargs=generate_kwargs,
+        )
 
     cost = calibrate_loop(model, time_cost_model(), prompts, generate_kwargs)
     objective = EstimatedSpeedupObjective(model, prompts, cost, search, worker, category_floor)

@@ -46,7 +46,6 @@ class PreparedPrompt:
     # process; the logits judge a reduced-precision near-tie (`hf_selfspec.consistency`).
     reference_tokens: list[int]
     reference_logits: torch.Tensor
-    plain_seconds: float  # that plain decode's time, prefill included
     category: str | None = None
 
 
@@ -64,7 +63,7 @@ def prepare_prompts(
         inputs = encode_prompt(tokenizer, prompt)
         run = timed_generate(model, inputs, strategy=PLAIN, output_logits=True, **generate_kwargs)
         prepared.append(
-            PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.logits, run.seconds, prompt.category)
+            PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.logits, prompt.category)
         )
         tokens += len(run.new_tokens)
         seconds += run.seconds

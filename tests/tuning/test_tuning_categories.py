@@ -116,7 +116,7 @@ CATEGORY = {"a1": "A", "b1": "B", "a2": "A"}
 def _prepared(prompt_id: str, category: str | None) -> PreparedPrompt:
     tokens = [1, 2, 3]
     logits = torch.nn.functional.one_hot(torch.tensor(tokens), 10).float()
-    return PreparedPrompt(prompt_id, {"input_ids": torch.tensor([[5, 6]])}, tokens, logits, 1.0, category)
+    return PreparedPrompt(prompt_id, {"input_ids": torch.tensor([[5, 6]])}, tokens, logits, category)
 
 
 def _scripted_timed_generate(model, inputs, strategy=None, **kwargs):
@@ -172,7 +172,7 @@ def test_a_near_tie_that_ends_sooner_is_not_credited_as_speed(monkeypatch):
     tokens = [3, 4, 7, 7]
     logits = torch.nn.functional.one_hot(torch.tensor(tokens), 10).float() * 20.0
     logits[1, 5] = 20.0 - 0.25  # two bfloat16 ulps below plain's choice at the second step
-    prompt = PreparedPrompt("p", {"input_ids": torch.tensor([[5, 6]])}, tokens, logits, 2.0, "A")
+    prompt = PreparedPrompt("p", {"input_ids": torch.tensor([[5, 6]])}, tokens, logits, "A")
 
     def scripted(model, inputs, strategy=None, **kwargs):
         if strategy == "plain":

@@ -36,7 +36,7 @@ def test_every_category_puts_each_contender_in_every_place():
 def _prompt(prompt_id: str, category: str) -> PreparedPrompt:
     logits = torch.nn.functional.one_hot(torch.tensor(TOKENS), 10).float()
     return PreparedPrompt(prompt_id, {"input_ids": torch.tensor([[5, 6]]), "prompt_id": prompt_id}, TOKENS, logits,
-                          1.0, category)  # fmt: skip
+                          category)  # fmt: skip
 
 
 def _trials() -> list[optuna.trial.FixedTrial]:

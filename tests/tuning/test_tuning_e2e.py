@@ -157,7 +157,7 @@ def test_lossless_violation_fails_the_trial_loudly_and_the_study_goes_on(caplog)
     model = _WrongTokensModel()
     plain_logits = torch.nn.functional.one_hot(torch.tensor([1, 2, 3, 4]), 100).float()
     prompt = PreparedPrompt("HumanEval/7", {"input_ids": torch.tensor([[5, 6]])}, reference_tokens=[1, 2, 3, 4],
-                            reference_logits=plain_logits, plain_seconds=1.0)
+                            reference_logits=plain_logits)
     objective = SpeedupObjective(
         model, [prompt], SearchConfig(), num_layers=4, generate_kwargs={"max_new_tokens": 4}, worker="test"
     )

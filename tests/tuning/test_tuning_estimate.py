@@ -71,7 +71,7 @@ def _prepared(model, length: int, seed: int, new_tokens: int = NEW_TOKENS) -> Pr
     plain = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, strategy="plain",
                            return_dict_in_generate=True, output_logits=True)
     return PreparedPrompt(f"p{seed}", {"input_ids": prompt}, plain.sequences[0, length:].tolist(),
-                          torch.cat(plain.logits), plain_seconds=1.0)
+                          torch.cat(plain.logits))
 
 
 def _free(num_layers: int) -> CostModel:
@@ -349,7 +349,7 @@ def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(s
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     kept = [(layer.keys.clone(), layer.values.clone()) for layer in data.cache.layers]
     adapters = [random_adapter(sharp_llama, exit_layer, tmp_path) for exit_layer in (1, 3)]
-    cost = calibrate(sharp_llama, [data], NUM_LAYERS, 4, adapters)
+    cost = calibrate(sharp_llama, data, NUM_LAYERS, 4, adapters)
     assert sorted(cost.adapter_draft_seconds) == sorted(adapters)
     for adapter in adapters:
         timed = cost.adapter_draft_seconds[adapter]
@@ -372,7 +372,7 @@ def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(s
     the same at every width, the draft nothing per sub-layer and the head nothing per row."""
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     adapter = random_adapter(sharp_llama, 1, tmp_path)
-    items = 4 + 3 + 3 + 1  # widths, skip sets, heads, the adapter
+    items = 4 + 3 + 3 + 1 + 2  # widths, skip sets, heads, the adapter, the prefill and a plain decode
     calls = []
 
     def bursting_timer(run):
@@ -380,13 +380,34 @@ def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(s
         calls.append(run)
         return 10.0 if len(calls) <= items else 1.0
 
-    cost = calibrate(sharp_llama, [data], NUM_LAYERS, 4, [adapter], timer=bursting_timer)
+    cost = calibrate(sharp_llama, data, NUM_LAYERS, 4, [adapter], timer=bursting_timer)
     assert len(set(calls[:items])) == items  # the first round takes every item once
     assert cost.verify_seconds == (0.0, 1.0, 1.0, 1.0, 1.0)
     assert cost.attention_seconds == cost.mlp_seconds == 0.0
     assert cost.restricted_head_per_row == 0.0
     full_model_draft = resolve_params(NUM_LAYERS, {"attn_skip_layers": [], "mlp_skip_layers": []})
     assert cost.draft_token_seconds(full_model_draft) == pytest.approx(cost.adapter_draft_seconds[adapter])
+
+
+def test_plain_is_priced_at_a_decode_timed_in_the_calibrations_own_rounds(sharp_llama):
+    """The prompt's first plain decode ran at another moment, under whatever load was there then,
+    and is not kept: plain's per-step overhead comes from a plain decode timed among the forward
+    passes, and prices plain decoding at what that decode took, a step cheaper than a one-token
+    verification too."""
+    data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
+    steps = len(data.reference)
+    prefill, plain = 0.5, 0.5 + 0.8 * steps  # every plain step below the 1.0 of a verification
+    decoded = []
+
+    def timer(run):
+        run()
+        decoded.extend(["plain"] if getattr(run, "__name__", "") == "plain_decode" else [])
+        return {"plain_decode": plain, "prefill": prefill}.get(getattr(run, "__name__", ""), 1.0)
+
+    cost = calibrate(sharp_llama, data, NUM_LAYERS, 4, timer=timer)
+    assert decoded
+    assert cost.plain_step_overhead < 0
+    assert plain_seconds(dataclasses.replace(data, prefill_seconds=prefill), cost) == pytest.approx(plain)
 
 
 def test_a_load_while_the_loop_is_timed_is_not_taken_for_its_overhead(sharp_llama, monkeypatch):
