@@ -119,6 +119,25 @@ def install(model: nn.Module) -> None:
         model._hf_selfspec_narrow_linear = True
 
 
+def choose_layouts(model: nn.Module) -> None:
+    """Time now, for every row band, the layout of each weight shape among `model`'s layers that
+    a verification would time the first time it met them.
+
+    Timing a band of a large LM head takes several of its products, many times a decoding step,
+    so a verification that meets a band first pays for the timing inside the decode it belongs
+    to. Code that times decodes (a benchmark, the tuner) calls this first, as a server may at
+    start, so that no timed decode carries it; a process that never calls it times each band
+    when it first needs it, as before. Timed without autograd, as a verification runs: with it,
+    the products would record a graph and the timings would choose for another computation."""
+    install(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if module.__dict__.get("forward") is not None and getattr(module.forward, "__func__", None) is _forward:
+                if module.weight.device.type == "cpu":
+                    for band in ROW_BANDS:
+                        transposed_is_faster(module.weight, band)
+
+
 @contextmanager
 def verifying(model: nn.Module) -> Iterator[None]:
     """Run `model`'s forward passes in this block on the faster layout for their rows."""

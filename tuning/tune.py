@@ -170,6 +170,7 @@ def run_tune(
     With `deadline` (a `time.monotonic()` instant), no trial starts after it, however long the
     model load and the cost model's timing took before the first."""
     from hf_selfspec.layer_skip import decoder_layers
+    from hf_selfspec.narrow_linear import choose_layouts
     from hf_selfspec.profiles import device_profile_key
     from hf_selfspec.strategies import available_strategies
 
@@ -183,6 +184,7 @@ def run_tune(
     except ValueError as error:
         raise TuningError(str(error)) from None
     model, tokenizer = config.model.load()
+    choose_layouts(model)  # not inside the first trial, estimated or measured, to meet a width
     num_layers = len(decoder_layers(model))
     device_key = device_profile_key(model.device, model.dtype)
     context = StudyContext(

@@ -352,6 +352,26 @@ def test_an_interrupted_run_keeps_what_every_contender_finished(tiny_model, prom
     assert stopped == (None if measured.planned is None else {"planned_prompts": 2, "planned_repeats": 2})
 
 
+def test_the_verifiers_layouts_are_chosen_before_anything_is_timed(tiny_model, prompt_file, monkeypatch):
+    """Only where one of our strategies runs, and before the first warm-up."""
+    import hf_selfspec.bench.runner as runner
+
+    model, tokenizer = tiny_model
+    events = []
+    monkeypatch.setattr(runner, "choose_layouts", lambda model: events.append("layouts"))
+    real = runner.timed_generate
+    monkeypatch.setattr(runner, "timed_generate", lambda *args, **kwargs: events.append("decode") or real(*args, **kwargs))
+    plain = {"strategy": PLAIN, "do_sample": False}
+    theirs = [Contender(BASELINE, plain, "baseline", "-"), Contender("twin", plain, "transformers", "-")]
+    ours = [*theirs, Contender("ours", {"strategy": "self_speculative", "do_sample": False}, "hf_selfspec", "-")]
+    prompts = load_prompts(prompt_file)[:1]
+    measure(model, tokenizer, prompts, theirs, max_new_tokens=4, repeats=1, progress=False)
+    assert "layouts" not in events
+    events.clear()
+    measure(model, tokenizer, prompts, ours, max_new_tokens=4, repeats=1, progress=False)
+    assert events[0] == "layouts" and events.count("layouts") == 1
+
+
 @pytest.mark.parametrize(
     ("at_call", "keep"),
     [

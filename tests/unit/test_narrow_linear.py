@@ -103,6 +103,34 @@ def test_the_layout_is_timed_once_per_shape_band_and_thread_count(monkeypatch):
     assert set(narrow_linear._TRANSPOSED_FASTER) == {(threads, torch.float32, 24, 16, band) for band in (4, 8)}
 
 
+def test_choosing_the_layouts_first_leaves_no_timing_to_a_verification(monkeypatch):
+    """Every band of every shape the verifier would time is timed by `choose_layouts`, once per
+    shape (two layers of one shape share it), and a verification then times nothing."""
+    monkeypatch.setattr(narrow_linear, "_TRANSPOSED_FASTER", {})
+    model = TwoLinears()
+    model.twin = nn.Linear(16, 24)  # the first layer's shape
+    model.hooked = nn.Linear(4, 4)
+    model.hooked.forward = lambda x: x  # another library's wrapper: never verified by us
+    timing = narrow_linear.transposed_is_faster
+    grad = []
+    monkeypatch.setattr(narrow_linear, "transposed_is_faster",
+                        lambda weight, band: grad.append(torch.is_grad_enabled()) or timing(weight, band))
+    narrow_linear.choose_layouts(model)
+    assert grad and not any(grad)  # timed as a verification runs, without autograd
+    threads = torch.get_num_threads()
+    assert set(narrow_linear._TRANSPOSED_FASTER) == {
+        (threads, torch.float32, *shape, band) for shape in ((24, 16), (8, 24)) for band in ROW_BANDS
+    }
+
+    def untimed(run, device):
+        raise AssertionError("a verification timed a layout")
+
+    monkeypatch.setattr(narrow_linear, "timed", untimed)
+    with torch.no_grad(), verifying(model):
+        for rows in (2, 7, ROW_BANDS[-1]):
+            model(torch.randn(1, rows, 16))
+
+
 def test_a_product_too_quick_to_time_once_is_timed_over_calls_that_last_a_sample(monkeypatch):
     """A small layer's product takes microseconds, which one reading of the clock cannot tell
     apart: each sample repeats it for about `_SAMPLE_SECONDS`, sized by one timed call."""
