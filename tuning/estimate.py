@@ -752,17 +752,13 @@ class CostModelWatch:
 
 
 def rescaled_overheads(old: CostModel, new: CostModel) -> CostModel:
-    """`new`, with `old`'s per-step overheads carried over in proportion to its plain step.
+    """`new`, with `old`'s loop overhead carried over in proportion to its plain step.
 
-    The overheads come from whole decodes (`calibrate_loop` and the prompts' plain runs), too
-    slow to repeat mid-study; held as a share of the plain step, they follow the load as the
-    re-timed forward passes do."""
+    The loop's overhead comes from whole decodes of every prompt (`calibrate_loop`), too slow to
+    repeat mid-study; held as a share of the plain step, it follows the load as the re-timed
+    forward passes do. Plain's overhead is `new`'s own: `calibrate` times it in the same rounds."""
     scale = new.verify(1) / old.verify(1) if old.verify(1) > 0 else 1.0
-    return dataclasses.replace(
-        new,
-        plain_step_overhead=old.plain_step_overhead * scale,
-        loop_step_overhead=old.loop_step_overhead * scale,
-    )
+    return dataclasses.replace(new, loop_step_overhead=old.loop_step_overhead * scale)
 
 
 def record_cost_model(study: optuna.Study, cost: CostModel) -> None:
