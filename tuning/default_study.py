@@ -92,7 +92,10 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
         )
     width = affordable_width(verify_seconds)
     draft = max(2, min(width - 1, 16))
-    lookup = max(2, min(width - 1, 24))
+    # A lookup grows within a request while the text copies and shrinks where it stops
+    # (`AdaptiveLookupLength`): it starts at most a third of the way and grows up to the reach.
+    lookup = max(2, width - 1)
+    lookup_start = max(1, lookup // 3)
     alternatives_ratio = verify_seconds.get(_ALTERNATIVES_WIDTH, math.inf) / verify_seconds[1]
     alternatives = 2 if alternatives_ratio <= _AFFORDABLE_VERIFY_RATIO else 0
     head = 0 if vocab_size <= _SMALL_VOCABULARY else vocab_size // 2
@@ -100,7 +103,8 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
     exits = adapter_exit_layers(num_layers)
     ranges: dict[str, tuple[float, float]] = {
         "max_draft_tokens": (1, draft),
-        "prompt_lookup_tokens": (1, lookup),
+        "prompt_lookup_tokens": (1, lookup_start),
+        "prompt_lookup_max_tokens": (lookup_start, lookup),
         "prompt_lookup_min_ngram": (1, 2),
         "prompt_lookup_ngram": (2, 4),
         "draft_source_probe_interval": (0, 16),
@@ -111,7 +115,8 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
     reasons = (
         f"up to a verification of {width} tokens each added token costs at most {_AFFORDABLE_MARGINAL_RATIO:g}x "
         f"one token's ({verify_seconds[width] / verify_seconds[1]:.2f}x for all {width}), "
-        f"so drafts up to {draft} and lookups up to {lookup} tokens are searched",
+        f"so drafts up to {draft} tokens are searched, and lookups that start at up to {lookup_start} "
+        f"and grow while the text copies up to {lookup} or fewer",
         "runner-up alternatives are searched: wide verifications are cheap"
         if alternatives
         else "runner-up alternatives are not searched: they widen verifications that are not cheap here",

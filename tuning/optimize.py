@@ -18,6 +18,7 @@ decode) to its share of what is left, from the timings of the measure stage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hf_selfspec.inputs import InputError, output_directory
-from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD, read_jsonl_prompts
+from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD, load_prompts, read_jsonl_prompts
 
 from . import TuningError
+from .config import PromptConfig
 from .default_study import (
     CONFIRM_TOP,
     DerivedSpace,
@@ -38,6 +40,7 @@ from .default_study import (
     time_verification,
 )
 from .storage import resolve_storage_url
+from .study_prompts import prompts_by_category, select_study_prompts
 from .study_toml import model_entries, study_toml, toml_tables
 from .toml_reader import ModelConfig
 
@@ -59,6 +62,13 @@ MIN_ADAPTER_STEPS = 100
 _MAX_ADAPTER_STEPS = 2000
 _MAX_STDLIB_TOKENS = 100_000
 _MAX_CONFIRM_PER_CATEGORY = 4
+# Whole decodes a tune prompt costs whatever the trials: its reference, the loop's calibration (a
+# decode by the loop and a plain one) and the confirmation of the best estimates (one by each,
+# beside a plain one); the teacher-forced pass and the cost model's timing come on top.
+_DECODES_PER_TUNE_PROMPT = 3 + CONFIRM_TOP + 1
+# The share of the tuning stage those decodes may take, the rest left to the trials.
+_PROMPT_SHARE = 0.5
+_MAX_TRIALS = 500
 
 
 @dataclass(frozen=True)
@@ -167,7 +177,7 @@ def _measure(run: _Run) -> dict[str, Any]:
 
     from hf_selfspec.layer_skip import decoder_layers
     from hf_selfspec.measure import timed, timed_generate
-    from hf_selfspec.prompts import encode_prompt, load_prompts
+    from hf_selfspec.prompts import encode_prompt
 
     model, tokenizer = run.request.model.load()
     prompt = encode_prompt(tokenizer, load_prompts(WORKLOAD, 1)[0])
@@ -312,12 +322,32 @@ def _study_config(run: _Run):
     )
 
 
+def tune_prompts(prompts: PromptConfig, seconds: float, decode_seconds: float) -> PromptConfig:
+    """`prompts` with as many of the workload's tune prompts per category as spend at most
+    `_PROMPT_SHARE` of the tuning stage's `seconds` on the decodes each costs whatever the trials
+    (`_DECODES_PER_TUNE_PROMPT`, at `decode_seconds` each): more prompts judge each trial on more
+    of each kind of text, and the rest of the stage runs trials. At least one per category, at
+    most what the split holds; a prompt file's selection is kept as it is."""
+    if prompts.per_category is None:
+        return prompts
+    groups = prompts_by_category(load_prompts(prompts.source, split=prompts.split))
+    affordable = int(_PROMPT_SHARE * seconds / (_DECODES_PER_TUNE_PROMPT * decode_seconds * len(groups)))
+    per_category = max(1, min(affordable, min(len(group) for group in groups.values())))
+    return dataclasses.replace(prompts, per_category=per_category)
+
+
 def _tune(run: _Run) -> dict[str, Any]:
     from .config import load_study_config
-    from .study_prompts import select_study_prompts
     from .tune import format_summary, run_tune
 
     config = _study_config(run)
+    measured = run.stages["measure"]
+    decode = config.prompts.max_new_tokens * measured["seconds_per_token"]
+    stage = run.remaining() - SHARES["confirm"] * run.request.budget_seconds
+    prompts = tune_prompts(config.prompts, stage, decode)
+    # The trials run until the stage's time is spent (a rerun of the TOML too), never past a cap.
+    trials = dataclasses.replace(config.study, n_trials=_MAX_TRIALS, timeout=max(round((1 - _PROMPT_SHARE) * stage), 1))
+    config = dataclasses.replace(config, prompts=prompts, study=trials)
     toml_path = run.request.output / STUDY_FILE
     toml_path.write_text(study_toml(config, toml_path), encoding="utf-8")
     config = load_study_config(toml_path)  # what a rerun of the TOML reads, checked now
@@ -325,10 +355,9 @@ def _tune(run: _Run) -> dict[str, Any]:
     # No trial starts after the deadline, counted after the model load and the cost model's
     # timing; the confirmation of the best estimates that follows is priced in plain decodes of
     # the prompts (one plain decode of each, and one by each confirmed trial, none priced faster).
-    measured = run.stages["measure"]
-    plain_decode = len(select_study_prompts(config.prompts)) * config.prompts.max_new_tokens * measured["seconds_per_token"]
-    window = run.remaining() - SHARES["confirm"] * run.request.budget_seconds - (CONFIRM_TOP + 1) * plain_decode
-    print(f"     tuning until {max(window, 0) / 60:.1f} min from now", flush=True)
+    count = len(select_study_prompts(config.prompts))
+    window = stage - (CONFIRM_TOP + 1) * count * decode
+    print(f"     {count} tune prompts; tuning until {max(window, 0) / 60:.1f} min from now", flush=True)
     outcome = run_tune(config, n_trials=None, show_progress=run.request.show_progress,
                        deadline=time.monotonic() + window)
     print(format_summary(outcome), flush=True)
@@ -357,12 +386,10 @@ def _confirm(run: _Run) -> dict[str, Any]:
     from hf_selfspec.bench.report import results_document
     from hf_selfspec.bench.runner import measure
     from hf_selfspec.consistency import DIVERGENT
-    from hf_selfspec.prompts import load_prompts
     from hf_selfspec.strategies import available_strategies
 
     from .categories import is_feasible
     from .space import ADAPTER_PARAM, decode_params
-    from .study_prompts import prompts_by_category
 
     tuned = run.stages["tune"]
     config = _study_config(run)

@@ -3,6 +3,7 @@ model's shape and costs, its refusals, and `tune --model` without a study TOML."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -19,7 +20,9 @@ from hf_selfspec.profiles import read_profiles, read_profiles_file
 from hf_selfspec.tuning import optimize as optimize_module
 from hf_selfspec.tuning.config import load_study_config
 from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
-from hf_selfspec.tuning.optimize import STAGES, STATE_FILE, STUDY_FILE, WORK_DIR, adapter_plan, adapter_text_tokens, corpus_plan
+from hf_selfspec.tuning.optimize import (
+    STAGES, STATE_FILE, STUDY_FILE, WORK_DIR, adapter_plan, adapter_text_tokens, corpus_plan, tune_prompts,
+)
 
 # Minutes: enough on the tiny model for every stage, the adapter included, to do some work.
 BUDGET = "1"
@@ -162,7 +165,9 @@ def test_ranges_follow_the_shape_and_the_verification_cost():
     deep_wide = derive_space(32, 128_000, flat)
     shallow_small = derive_space(6, 4096, linear)
     assert deep_wide.ranges["max_draft_tokens"][1] > shallow_small.ranges["max_draft_tokens"][1]
-    assert deep_wide.ranges["prompt_lookup_tokens"][1] > shallow_small.ranges["prompt_lookup_tokens"][1]
+    assert deep_wide.ranges["prompt_lookup_max_tokens"][1] > shallow_small.ranges["prompt_lookup_max_tokens"][1]
+    for space in (deep_wide, shallow_small):  # lookups grow from where they may start
+        assert space.ranges["prompt_lookup_tokens"][1] == space.ranges["prompt_lookup_max_tokens"][0]
     assert deep_wide.ranges["draft_alternatives"][1] > 0 == shallow_small.ranges["draft_alternatives"][1]
     assert deep_wide.ranges["draft_vocab_size"] == (0, 64_000)  # a big head is worth restricting
     assert shallow_small.ranges["draft_vocab_size"] == (0, 0)
@@ -180,10 +185,25 @@ def test_a_costly_step_to_two_tokens_does_not_hide_cheap_wide_verifications():
     # width after that comes nearly free, so long lookups pay where a draft is taken whole.
     kernel_change = {1: 1.0, 2: 1.96, 4: 2.15, 8: 2.2, 16: 2.5, 32: 3.25}
     space = derive_space(18, 262_144, kernel_change)
-    assert space.ranges["max_draft_tokens"] == (1, 16) and space.ranges["prompt_lookup_tokens"] == (1, 24)
+    assert space.ranges["max_draft_tokens"] == (1, 16)
+    assert space.ranges["prompt_lookup_tokens"] == (1, 10) and space.ranges["prompt_lookup_max_tokens"] == (10, 31)
     # Where each added token costs more than half of one, the reach stops there.
     steep = {1: 1.0, 2: 1.9, 4: 2.2, 8: 5.0, 16: 9.0, 32: 17.0}
-    assert derive_space(18, 262_144, steep).ranges["prompt_lookup_tokens"] == (1, 3)
+    assert derive_space(18, 262_144, steep).ranges["prompt_lookup_max_tokens"] == (1, 3)
+
+
+def test_the_tune_stage_judges_trials_on_as_many_prompts_as_its_time_pays_for():
+    from hf_selfspec.tuning.default_study import default_prompts
+
+    workload = default_prompts(None)
+    # Eight categories, six decodes a prompt, half of the stage: 10 s decodes pay for one prompt
+    # a category in 960 s, for two in twice that, and no more than the split's six however long.
+    assert tune_prompts(workload, 960, 10).per_category == 1
+    assert tune_prompts(workload, 1920, 10).per_category == 2
+    assert tune_prompts(workload, 10**6, 10).per_category == 6
+    assert tune_prompts(workload, 1, 10).per_category == 1  # never none
+    a_file = dataclasses.replace(workload, source="prompts.jsonl", per_category=None, n_prompts=5)
+    assert tune_prompts(a_file, 10**6, 10) == a_file  # its own selection, as the user asked
 
 
 def test_a_base_model_without_a_chat_template_gets_a_corpus(tiny_llama_dir, tmp_path, monkeypatch, capsys):
