@@ -39,6 +39,9 @@ class SelfSpecParams:
     # `max_draft_tokens` (that caps the model's draft). 0: every lookup proposes a fixed
     # `prompt_lookup_tokens`.
     prompt_lookup_max_tokens: int = 0
+    # The shortest an adaptive lookup proposal shrinks to after cuts (or its starting length
+    # `prompt_lookup_tokens`, if that is shorter); see `AdaptiveLookupLength`.
+    prompt_lookup_min_tokens: int = 1
     # Where both a lookup proposal and the model's draft are on offer, verify whichever has
     # committed tokens more cheaply so far in the request, probing the other every this many
     # steps (see `CheaperDraftSource`). 0: a lookup proposal always goes first.
@@ -93,6 +96,7 @@ _COUNT_KEYS = {
     "prompt_lookup_ngram": 1,
     "prompt_lookup_min_ngram": 1,
     "prompt_lookup_max_tokens": 0,
+    "prompt_lookup_min_tokens": 1,
     "draft_source_probe_interval": 0,
     "draft_vocab_size": 0,
     "draft_alternatives": 0,

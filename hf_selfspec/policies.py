@@ -265,14 +265,19 @@ class AdaptiveLookupLength(LookupLength):
     """The lookup length follows how far the text has been copying in this request.
 
     A proposal taken whole doubles the length, up to `max_tokens`; one cut short halves the
-    distance to what was accepted (never below one token). Copying runs long and ends abruptly:
+    distance to what was accepted, never below `min_tokens` (nor below the starting length, if
+    that is shorter). Copying runs long and ends abruptly:
     a translation or a quoted passage goes on for dozens of tokens, so the length must reach
     a long proposal within a few steps, where transformers' schedule (+2 per whole acceptance)
     spends most of a copied stretch getting there. A cut is often one changed word inside a
     copied stretch that resumes right after, so a single cut only halves the way down rather
     than dropping to the accepted count; on free text, where cuts come at the first token, a
-    few of them bring the length down to one. One token is the floor: its verification costs
-    barely more than a plain step, and it keeps the lookup watching for the next copied stretch.
+    few of them bring the length down to the floor. One token is the smallest floor: its
+    verification costs barely more than a plain step, and it keeps the lookup watching for the
+    next copied stretch. Where a verification of a few tokens costs about what one token's does
+    (bfloat16 on a CPU with native bfloat16 matrix units), a higher floor is nearly free and
+    catches the start of a copied stretch at once, where climbing back from one token took three
+    or four verifications each time; the tuner weighs the two on the machine's own costs.
     The length only decides how much of the match is proposed, so decoding stays lossless.
 
     A match that reaches `VERBATIM_REACH` or more tokens back is evidence enough on its own: the
@@ -282,9 +287,10 @@ class AdaptiveLookupLength(LookupLength):
     A short match (one or two tokens, which free text matches by chance) leaves it as it is.
     """
 
-    def __init__(self, tokens: int, max_tokens: int):
+    def __init__(self, tokens: int, max_tokens: int, min_tokens: int = 1):
         super().__init__(tokens)
         self.max_tokens = max_tokens
+        self.min_tokens = max(1, min(min_tokens, tokens))
 
     @property
     def max_proposal_tokens(self) -> int:
@@ -299,7 +305,7 @@ class AdaptiveLookupLength(LookupLength):
         if accepted >= proposed:
             self.tokens = min(2 * self.tokens, self.max_tokens)
         else:
-            self.tokens = max(1, (self.tokens + accepted) // 2)
+            self.tokens = max(self.min_tokens, (self.tokens + accepted) // 2)
 
 
 class DraftSourceChoice:

@@ -62,6 +62,7 @@ class Strategy:
         "draft_vocab_size",
         "draft_alternatives",
         "backoff_probe_interval",
+        "prompt_lookup_min_tokens",
     )
 
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
@@ -90,7 +91,9 @@ class Strategy:
 
     def build_lookup_length(self, params: SelfSpecParams) -> LookupLength:
         if params.prompt_lookup_max_tokens:
-            return AdaptiveLookupLength(params.prompt_lookup_tokens, params.prompt_lookup_max_tokens)
+            return AdaptiveLookupLength(
+                params.prompt_lookup_tokens, params.prompt_lookup_max_tokens, params.prompt_lookup_min_tokens
+            )
         return LookupLength(params.prompt_lookup_tokens)
 
     def build_draft_source_choice(self, params: SelfSpecParams) -> DraftSourceChoice:

@@ -58,6 +58,8 @@ KNOBS: dict[str, Knob] = {
         # How far an adaptive lookup length may grow (0: a fixed length). A range for it must stay
         # at or above prompt_lookup_tokens's, or trials that cross are invalid and pruned.
         Knob("prompt_lookup_max_tokens", int, _fixed_at_default("prompt_lookup_max_tokens"), (0, None)),
+        # How far it may shrink; a floor above the starting length is that length, so any range is valid.
+        Knob("prompt_lookup_min_tokens", int, _fixed_at_default("prompt_lookup_min_tokens"), (1, None)),
         # How often the loser of lookup and the model's draft is probed (0: lookup always first).
         Knob("draft_source_probe_interval", int, _fixed_at_default("draft_source_probe_interval"), (0, None)),
         Knob("draft_vocab_size", int, _fixed_at_default("draft_vocab_size"), (0, None)),

@@ -49,6 +49,7 @@ def test_unknown_strategy_lists_available(model):
             r"prompt_lookup_max_tokens \(4\) must be 0 \(a fixed lookup length\) or at least prompt_lookup_tokens \(8\)",
         ),
         ({"draft_source_probe_interval": -1}, "draft_source_probe_interval must be >= 0"),
+        ({"prompt_lookup_min_tokens": 0}, "prompt_lookup_min_tokens must be >= 1"),
         ({"draft_exit_threshold": 1.5}, r"draft_exit_threshold must lie in \[0, 1\]"),
         ({"target_confidence_threshold": -0.1}, r"target_confidence_threshold must lie in \[0, 1\]"),
         ({"target_acceptance": 2}, r"target_acceptance must lie in \[0, 1\]"),

@@ -261,5 +261,5 @@ def test_adaptive_lookup_and_draft_source_choice_match_plain_greedy(architecture
             assert_same_greedy(
                 model, prompt, strategy="self_speculative", attn_skip_layers=[1, 3], mlp_skip_layers=[2],
                 max_draft_tokens=3, draft_exit_threshold=0.0, prompt_lookup_tokens=2, prompt_lookup_min_ngram=1,
-                prompt_lookup_max_tokens=16, draft_source_probe_interval=2,
+                prompt_lookup_max_tokens=16, prompt_lookup_min_tokens=2, draft_source_probe_interval=2,
             )

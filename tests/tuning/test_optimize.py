@@ -166,8 +166,9 @@ def test_ranges_follow_the_shape_and_the_verification_cost():
     shallow_small = derive_space(6, 4096, linear)
     assert deep_wide.ranges["max_draft_tokens"][1] > shallow_small.ranges["max_draft_tokens"][1]
     assert deep_wide.ranges["prompt_lookup_max_tokens"][1] > shallow_small.ranges["prompt_lookup_max_tokens"][1]
-    for space in (deep_wide, shallow_small):  # lookups grow from where they may start
+    for space in (deep_wide, shallow_small):  # lookups grow from where they may start, shrink no lower
         assert space.ranges["prompt_lookup_tokens"][1] == space.ranges["prompt_lookup_max_tokens"][0]
+        assert space.ranges["prompt_lookup_min_tokens"] == (1, space.ranges["prompt_lookup_tokens"][1])
     assert deep_wide.ranges["draft_alternatives"][1] > 0 == shallow_small.ranges["draft_alternatives"][1]
     assert deep_wide.ranges["draft_vocab_size"] == (0, 64_000)  # a big head is worth restricting
     assert shallow_small.ranges["draft_vocab_size"] == (0, 0)

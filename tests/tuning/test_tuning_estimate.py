@@ -133,8 +133,8 @@ def _estimated_as_decoded(model, params: SelfSpecParams, strategy, contrast) -> 
 # the back-off, the draft's alternatives, each strategy's exit policy and gate.
 EVERY_RULE = {
     "max_draft_tokens": 3, "draft_exit_threshold": 0.3, "draft_alternatives": 1, "prompt_lookup_tokens": 2,
-    "prompt_lookup_min_ngram": 1, "prompt_lookup_max_tokens": 8, "draft_source_probe_interval": 2,
-    "backoff_probe_interval": 2, "target_confidence_threshold": 0.5,
+    "prompt_lookup_min_ngram": 1, "prompt_lookup_max_tokens": 8, "prompt_lookup_min_tokens": 2,
+    "draft_source_probe_interval": 2, "backoff_probe_interval": 2, "target_confidence_threshold": 0.5,
 }  # fmt: skip
 # Drafts whose predictions are exact: the full model drafting for itself (always accepted), and a
 # trained adapter, whose shallow layers are the full model's own (often rejected).

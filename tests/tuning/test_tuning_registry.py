@@ -26,7 +26,7 @@ from hf_selfspec.tuning.tune import run_tune
 SHARED = (
     "max_draft_tokens", "draft_exit_threshold", "prompt_lookup_tokens", "prompt_lookup_min_ngram", "prompt_lookup_ngram",
     "prompt_lookup_max_tokens", "draft_source_probe_interval", "draft_vocab_size", "draft_alternatives",
-    "backoff_probe_interval",
+    "backoff_probe_interval", "prompt_lookup_min_tokens",
 )
 BUILT_IN_KNOBS = {
     "self_speculative": SHARED,

@@ -261,6 +261,23 @@ def test_adaptive_lookup_length_grows_on_whole_acceptances_and_shrinks_on_cuts_w
     assert length.tokens == 8
 
 
+def test_an_adaptive_lookup_length_shrinks_no_further_than_its_floor():
+    from hf_selfspec.policies import AdaptiveLookupLength
+
+    length = AdaptiveLookupLength(tokens=6, max_tokens=16, min_tokens=4)
+    # Cuts at the first token halve the way down as before, but stop at the floor of 4; whole
+    # acceptances still double from there.
+    script = [((6, 0), 4), ((4, 0), 4), ((4, 4), 8), ((8, 1), 4), ((4, 0), 4)]  # fmt: skip
+    for (proposed, accepted), expected in script:
+        length.update(proposed, accepted)
+        assert length.tokens == expected, (proposed, accepted)
+    # A floor above the starting length is that length: a proposal never shrinks below where it started.
+    short_start = AdaptiveLookupLength(tokens=2, max_tokens=16, min_tokens=5)
+    for _ in range(3):
+        short_start.update(short_start.tokens, 0)
+    assert short_start.tokens == 2
+
+
 def test_a_fixed_lookup_length_never_moves():
     from hf_selfspec.policies import LookupLength
 
