@@ -1,10 +1,11 @@
 """Timing on the model's device: one `generate` call, the unit that the bench and the tuner both
-interleave, and the forward passes the tuner's cost model is built from."""
+interleave, the forward passes the tuner's cost model is built from, and those inside a decode."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,3 +58,32 @@ def timed_generate(model, inputs: dict[str, torch.Tensor], **generate_kwargs: An
         stats=getattr(output, "strategy_stats", None),
         logits=torch.cat(output.logits) if output.logits is not None else None,
     )
+
+
+@contextmanager
+def forward_timings(model) -> Iterator[list[tuple[int, float]]]:
+    """While inside: `(input width, seconds)` of every forward pass of `model` itself, timed where
+    it ran. A decode's time minus its forward passes' is what the loop around them spends, read
+    under the load they all ran under, which no forward pass timed at another moment can give."""
+    timings: list[tuple[int, float]] = []
+    started: list[float] = []
+
+    def before(module, args, kwargs) -> None:
+        _synchronize(model.device)
+        started.append(time.perf_counter())
+
+    def after(module, args, kwargs, output) -> None:
+        _synchronize(model.device)
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        inputs = kwargs["inputs_embeds"] if inputs is None else inputs
+        timings.append((inputs.shape[1], time.perf_counter() - started.pop()))
+
+    handles = (
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    )
+    try:
+        yield timings
+    finally:
+        for handle in handles:
+            handle.remove()

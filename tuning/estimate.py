@@ -50,7 +50,7 @@ from hf_selfspec.decoding_types import MODEL_SOURCE, DecodingState, Draft, Draft
 from hf_selfspec.drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import SkippingDecoder, decoder_layers
-from hf_selfspec.measure import timed, timed_generate
+from hf_selfspec.measure import forward_timings, timed, timed_generate
 from hf_selfspec.narrow_linear import verifying
 from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy
@@ -243,9 +243,7 @@ def calibrate(
     per-step overhead. It may come out below zero, where plain decoding's own step costs less
     than a timed verification of one token; it is a correction, so that plain is priced at what
     it takes. Read off decodes timed at another moment (the prompts' first decodes), under
-    another load than the forward passes, it would misprice plain against them, and
-    `calibrate_loop`, which reads the loop's time in units of plain's, would carry that error
-    into every step of every trial.
+    another load than the forward passes, it would misprice plain against them.
     """
     timer = timer or device_timer(model.device)
     cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
@@ -333,14 +331,14 @@ def calibrate(
     )
 
 
-# Drafting with the full model itself: acceptance is certain, so the estimate is exact and the
-# only unknown left is what the loop spends per step beyond its forward passes.
+# The loop's probe: the full model drafting for itself, so that it drafts and verifies at every
+# step, as a trial does, with nothing left to the back-off's timing.
 _LOOP_PROBE = {
     "attn_skip_layers": [],
     "mlp_skip_layers": [],
     "max_draft_tokens": 3,
     "draft_exit_threshold": 0.0,
-    "backoff_probe_interval": 0,  # a timing-driven choice would differ between estimate and decode
+    "backoff_probe_interval": 0,
 }
 
 
@@ -348,23 +346,27 @@ def calibrate_loop(
     model, cost: CostModel, prompts: Sequence[TeacherForcedPrompt], generate_kwargs: dict[str, Any]
 ) -> CostModel:
     """Add our decoding loop's own per-step overhead: what a real decode of every prompt spent
-    beyond its priced forward passes. Each is timed beside a plain decode of the same prompt and
-    read in the cost model's units (plain's priced seconds over its timed ones): a load on the
-    machine while they ran slows both alike, and is not taken for the loop's overhead, which
-    would then price every trial of the study too slow."""
+    beyond drafting and the full model's forward passes, all three timed within that decode
+    (`forward_timings`), and read in the cost model's units (the forward passes' priced seconds
+    over their timed ones). Read instead as the decode's time beyond what the cost model prices
+    its steps at, it would be the difference of two large numbers timed at different moments: a
+    neighbour's load in one and not the other, or a draft timed a little cheap, would come out
+    as overhead and be charged to every step of every trial."""
     params = resolve_params(cost.num_layers, _LOOP_PROBE)
-    real = modelled = steps = 0.0
+    outside = priced = timed_forwards = steps = 0.0
     for data in prompts:
-        seconds, stats = estimate_decode(
-            model, data, params, "self_speculative", draft_predictions(model, data, params), cost
-        )
-        modelled += seconds
-        steps += stats.verification_steps + stats.plain_steps + 1
-        inputs = data.prompt.inputs
-        loop = timed_generate(model, inputs, strategy="self_speculative", **params.as_dict(), **generate_kwargs).seconds
-        plain = timed_generate(model, inputs, strategy=PLAIN, **generate_kwargs).seconds
-        real += loop * plain_seconds(data, cost) / plain
-    return dataclasses.replace(cost, loop_step_overhead=max((real - modelled) / steps, 0.0))
+        with forward_timings(model) as forwards:
+            run = timed_generate(
+                model, data.prompt.inputs, strategy="self_speculative", **params.as_dict(), **generate_kwargs
+            )
+        forward_seconds = sum(seconds for _, seconds in forwards)
+        outside += run.seconds - run.stats.draft_seconds - forward_seconds
+        timed_forwards += forward_seconds
+        # the first forward pass is the prompt's prefill
+        priced += data.prefill_seconds + sum(cost.verify(width) for width, _ in forwards[1:])
+        steps += run.stats.verification_steps + run.stats.plain_steps + 1
+    overhead = outside * priced / timed_forwards / steps if timed_forwards > 0 else 0.0
+    return dataclasses.replace(cost, loop_step_overhead=max(overhead, 0.0))
 
 
 def _committed_kv_mask(model, data: TeacherForcedPrompt) -> torch.Tensor | dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@ tokens with priced seconds, and the study that confirms its best estimates by re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 
@@ -19,6 +20,7 @@ from hf_selfspec.decoding import speculative_decode
 from hf_selfspec.decoding_types import DecodingState, Draft, Drafter
 from hf_selfspec.drafters import LayerSkipDrafter
 from hf_selfspec.layer_skip import SkippingDecoder
+from hf_selfspec.measure import forward_timings, timed_generate
 from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ExitPolicy, ThroughputBackoff
 from hf_selfspec.selection import TokenSelector
@@ -410,26 +412,73 @@ def test_plain_is_priced_at_a_decode_timed_in_the_calibrations_own_rounds(sharp_
     assert plain_seconds(dataclasses.replace(data, prefill_seconds=prefill), cost) == pytest.approx(plain)
 
 
+def _scripted_loop_decode(monkeypatch, data: TeacherForcedPrompt, forwards, draft: float, outside: float, load: list):
+    """Has `calibrate_loop`'s probe decode of `data` take the forward passes `forwards`
+    (`(width, idle seconds)`), `draft` idle seconds of drafting and `outside` idle seconds of the
+    loop's own work, all times `load[0]`, without decoding."""
+    from hf_selfspec.tuning import estimate
+
+    recorded: list = []
+
+    @contextlib.contextmanager
+    def forward_timings(model):
+        recorded.clear()
+        yield recorded
+
+    def timed_generate(model, inputs, strategy, **kwargs):
+        assert strategy == "self_speculative"
+        recorded.extend((width, seconds * load[0]) for width, seconds in forwards)
+        total = sum(seconds for _, seconds in forwards) + draft + outside
+        stats = StrategyStats(verification_steps=len(forwards) - 1, draft_seconds=draft * load[0])
+        return types.SimpleNamespace(seconds=total * load[0], stats=stats)
+
+    monkeypatch.setattr(estimate, "forward_timings", forward_timings)
+    monkeypatch.setattr(estimate, "timed_generate", timed_generate)
+
+
 def test_a_load_while_the_loop_is_timed_is_not_taken_for_its_overhead(sharp_llama, monkeypatch):
-    """The loop's real decode is timed beside a plain one: a neighbour that slows both threefold
-    leaves the loop's per-step overhead as it reads on an idle machine."""
+    """The loop's overhead is its decode's time beyond its drafting and its forward passes, all
+    timed in that decode: a neighbour that slows everything threefold, or a draft dearer than the
+    cost model says, leaves it as it reads on an idle machine; forward passes timed cheaper than
+    the cost model prices them read it in the cost model's units."""
     from hf_selfspec.tuning import estimate
 
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     cost = dataclasses.replace(PRICES, loop_step_overhead=0.0)
-    probe = resolve_params(NUM_LAYERS, estimate._LOOP_PROBE)
-    modelled, stats = _estimate(sharp_llama, data, probe, "self_speculative", cost)
-    steps = stats.verification_steps + stats.plain_steps + 1
-    overhead, load = 0.05, [1.0]
-
-    def timed_generate(model, inputs, strategy, **kwargs):  # an idle machine's seconds, times the load
-        idle = plain_seconds(data, cost) if strategy == "plain" else modelled + steps * overhead
-        return types.SimpleNamespace(seconds=idle * load[0])
-
-    monkeypatch.setattr(estimate, "timed_generate", timed_generate)
+    steps, overhead, load = 6, 0.05, [1.0]
+    forwards = [(data.prompt_length, data.prefill_seconds), *((4, cost.verify(4)),) * (steps - 1)]
+    _scripted_loop_decode(monkeypatch, data, forwards, 2.0, steps * overhead, load)
     assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
     load[0] = 3.0
     assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+
+    _scripted_loop_decode(monkeypatch, data, forwards, 20.0, steps * overhead, load)
+    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+
+    halved = [(width, seconds / 2) for width, seconds in forwards]
+    _scripted_loop_decode(monkeypatch, data, halved, 1.0, steps * overhead / 2, load)
+    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+
+
+def test_the_loop_probe_times_the_prefill_and_every_verification_of_its_decode(sharp_llama):
+    """`forward_timings` sees the full model's own forward passes in a real decode, and no
+    draft's: the prompt's prefill, then one verification of each step, as wide as its draft and
+    the newest committed token."""
+    from hf_selfspec.tuning import estimate
+
+    inputs = _prepared(sharp_llama, 11, seed=3).inputs
+    kwargs = {"strategy": "self_speculative", "max_new_tokens": NEW_TOKENS, "do_sample": False}
+    kwargs |= resolve_params(NUM_LAYERS, estimate._LOOP_PROBE).as_dict()
+    with forward_timings(sharp_llama) as forwards:
+        run = timed_generate(sharp_llama, inputs, **kwargs)
+    assert run.stats.verification_steps > 1
+    assert forwards[0][0] == inputs["input_ids"].shape[1]
+    assert len(forwards) == 1 + run.stats.verification_steps + run.stats.plain_steps
+    assert sum(width - 1 for width, _ in forwards[1:]) == run.stats.drafted_tokens
+    assert all(seconds > 0 for _, seconds in forwards)
+    timed = len(forwards)
+    timed_generate(sharp_llama, inputs, **kwargs)  # outside: no longer timed
+    assert len(forwards) == timed
 
 
 def test_the_probe_verifies_outside_autograd_as_decoding_does(sharp_llama):
