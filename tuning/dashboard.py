@@ -14,6 +14,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hf_selfspec.params import SelfSpecParams
+from hf_selfspec.policies import AdaptiveLookupLength
 
 from . import TuningError
 from .categories import describe_categories, is_feasible
@@ -73,10 +74,18 @@ def _knobs_in_words(params: dict[str, Any]) -> str:
     if "target_confidence_threshold" in params:
         words.append(f"drafts only after the full model was at least {params['target_confidence_threshold']:.0%} sure")
     if value("prompt_lookup_tokens"):
-        words.append(
-            f"looks up to {value('prompt_lookup_tokens')} tokens from {value('prompt_lookup_min_ngram')}- to "
-            f"{value('prompt_lookup_ngram')}-token matches"
-        )
+        matches = f"from {value('prompt_lookup_min_ngram')}- to {value('prompt_lookup_ngram')}-token matches"
+        if value("prompt_lookup_max_tokens"):
+            floor = AdaptiveLookupLength(
+                value("prompt_lookup_tokens"), value("prompt_lookup_max_tokens"), value("prompt_lookup_min_tokens")
+            ).min_tokens
+            words.append(
+                f"looks up {value('prompt_lookup_tokens')} tokens at first {matches}, growing to "
+                f"{value('prompt_lookup_max_tokens')} while lookups are taken whole and shrinking to "
+                f"no fewer than {floor} when they are cut short"
+            )
+        else:
+            words.append(f"looks up to {value('prompt_lookup_tokens')} tokens {matches}")
     return ", ".join(words)
 
 

@@ -11,7 +11,9 @@ import urllib.request
 from helpers import REPO_ROOT
 from helpers.tuning import cli_command, cli_env, free_port, make_tuned_looking_study
 
-from hf_selfspec.tuning.dashboard import write_study_note
+import optuna
+
+from hf_selfspec.tuning.dashboard import describe_trial, write_study_note
 
 STARTUP_SECONDS = 90
 
@@ -57,3 +59,31 @@ def test_dashboard_lists_the_study_with_its_trials_and_note(tiny_llama_dir, tmp_
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def _trial_with_lookup(**lookup: int) -> optuna.trial.FrozenTrial:
+    attrs = {"draft_adapter": "general-exit1", "tokens_per_second": 30.0, "baseline_tokens_per_second": 25.0,
+             "acceptance_rate": 0.3, "mean_accepted_length": 0.7}
+    return optuna.trial.create_trial(
+        value=1.2,
+        params=lookup,
+        distributions={name: optuna.distributions.IntDistribution(0, 32) for name in lookup},
+        user_attrs=attrs,
+    )
+
+
+def test_a_trial_is_described_with_its_lookup_length_and_how_it_adapts():
+    fixed = describe_trial(_trial_with_lookup(prompt_lookup_tokens=10, prompt_lookup_max_tokens=0))
+    assert "looks up to 10 tokens from 2- to 3-token matches" in fixed
+    assert "growing" not in fixed
+    adaptive = describe_trial(
+        _trial_with_lookup(prompt_lookup_tokens=6, prompt_lookup_max_tokens=15, prompt_lookup_min_tokens=3)
+    )
+    assert "looks up 6 tokens at first" in adaptive
+    assert "growing to 15 while lookups are taken whole" in adaptive
+    assert "no fewer than 3 when they are cut short" in adaptive
+    # a floor above the starting length is that length, as the lookup applies it
+    above = describe_trial(
+        _trial_with_lookup(prompt_lookup_tokens=4, prompt_lookup_max_tokens=15, prompt_lookup_min_tokens=9)
+    )
+    assert "no fewer than 4 when" in above
