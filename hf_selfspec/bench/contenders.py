@@ -182,7 +182,7 @@ def build_contenders(
                     "do_sample": False,
                     **_profile_params(model, profile),
                 },
-                family="hf_selfspec",
+                family=HF_SELFSPEC,
                 params_label=f"{TUNED} {profile.strategy}, packaged",
             )
         )
