@@ -29,6 +29,7 @@ only measured speedups are reported as such.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import logging
@@ -68,6 +69,10 @@ logger = logging.getLogger(__name__)
 # the minimum: the estimate must match what decoding typically pays, not the machine's best moment.
 _CALIBRATION_TOKENS = 6
 _CALIBRATION_ROUNDS = 7
+# The verifier is timed at a few widths (`verification_knots`), each this many times a round: on a
+# busy machine one forward pass may take several times another of the same width, and a price
+# between two widths rests on both of their medians.
+_VERIFY_TIMINGS_PER_ROUND = 3
 # Two restricted-head sizes pin down the head's cost as a line in the number of rows it keeps. A
 # head is cheap enough for one call to drown in the timer's noise: each timing spans several.
 _HEAD_SIZES = (2048, 16384)
@@ -87,19 +92,64 @@ def device_timer(device: torch.device) -> Timer:
     return lambda run: timed(run, device)[1]
 
 
-def interleaved_medians(runs: Mapping[Any, Callable[[], Any]], rounds: int, timer: Timer) -> dict[Any, float]:
-    """The median seconds of each run, timed in rounds that take every run once in turn.
+def interleaved_timings(runs: Mapping[Any, Callable[[], Any]], rounds: int, timer: Timer) -> dict[Any, list[float]]:
+    """The seconds of each run in every round, timed in rounds that take every run once in turn.
 
     Timed one after another, a run that happens to share the machine's busy minute carries all
     of it while the others carry none, and the ratios between them, which are all an estimate
-    reads, come out bent. In rounds, a burst of load lands on one round of every run alike, and
-    the median of each drops that round.
+    reads, come out bent. In rounds, a burst of load lands on one round of every run alike.
     """
     timings: dict[Any, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
             timings[name].append(timer(run))
-    return {name: statistics.median(seconds) for name, seconds in timings.items()}
+    return timings
+
+
+def interleaved_medians(runs: Mapping[Any, Callable[[], Any]], rounds: int, timer: Timer) -> dict[Any, float]:
+    """The median seconds of each run timed in rounds (`interleaved_timings`): the median drops
+    the round a burst of load fell on."""
+    return {name: statistics.median(seconds) for name, seconds in interleaved_timings(runs, rounds, timer).items()}
+
+
+def verification_knots(max_tokens: int) -> tuple[int, ...]:
+    """The widths the verifier is timed at: one token, two and three times every power of two,
+    and `max_tokens`. Dense where a CPU's cost bends (one token takes the matrix-vector path),
+    sparse where it runs nearly on a line; timing every width instead spreads the same rounds so
+    thin that on a busy machine each width's median is mostly noise."""
+    doubled = {base << shift for base in (2, 3) for shift in range(max_tokens.bit_length())}
+    return tuple(sorted({1, max_tokens} | {width for width in doubled if width <= max_tokens}))
+
+
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in least squares: every run of values that
+    falls is pooled into its mean (pool adjacent violators)."""
+    blocks: list[tuple[float, int]] = []  # (sum, count) of each pooled run
+    for value in values:
+        total, count = value, 1
+        while blocks and blocks[-1][0] / blocks[-1][1] > total / count:
+            previous_total, previous_count = blocks.pop()
+            total, count = total + previous_total, count + previous_count
+        blocks.append((total, count))
+    return [total / count for total, count in blocks for _ in range(count)]
+
+
+def verification_prices(medians: Mapping[int, float], max_tokens: int) -> tuple[float, ...]:
+    """Index k: the price of verifying k tokens (0 for none). The timed widths' medians are made
+    non-decreasing, since checking more tokens never costs less, and a noisy median that
+    undercuts a narrower one would otherwise price a longer proposal as cheaper; widths between
+    two timed ones are priced on the line between them."""
+    knots = sorted(medians)
+    fitted = nondecreasing([medians[width] for width in knots])
+    prices = [0.0]
+    for width in range(1, max_tokens + 1):
+        right = bisect.bisect_left(knots, width)
+        if knots[right] == width:
+            prices.append(fitted[right])
+            continue
+        share = (width - knots[right - 1]) / (knots[right] - knots[right - 1])
+        prices.append(fitted[right - 1] + share * (fitted[right] - fitted[right - 1]))
+    return tuple(prices)
 
 
 @dataclass(frozen=True)
@@ -108,10 +158,10 @@ class CostModel:
 
     Every decoder layer has the same shapes, so a draft step costs a constant plus a fixed amount
     per attention and per MLP sub-layer that runs, plus its LM head (a line in the rows kept
-    when the head is restricted). The verifier's cost is timed at every width it may check,
-    because on a CPU it is far from linear: one token takes the matrix-vector path, and two
-    already cost nearly twice as much. Overheads are what a step spends beyond its forward
-    passes: in plain `generate`, and in our decoding loop.
+    when the head is restricted). The verifier has a price for every width it may check
+    (`verification_prices`), because on a CPU it is far from linear: one token takes the
+    matrix-vector path, and two may already cost nearly twice as much. Overheads are what a
+    step spends beyond its forward passes: in plain `generate`, and in our decoding loop.
     """
 
     num_layers: int
@@ -234,9 +284,10 @@ def calibrate(
     timer: Timer | None = None,
     generate_kwargs: Mapping[str, Any] = {},
 ) -> CostModel:
-    """Time the verifier at every width, the draft at a few skip sets, the LM head, each trained
-    adapter's draft and a plain decode of `sample`, after `sample`'s text, all interleaved
-    (`interleaved_medians`), so that every price is relative to the same plain step under the
+    """Time the verifier at a few widths (`verification_knots`, priced between them by
+    `verification_prices`), the draft at a few skip sets, the LM head, each trained adapter's
+    draft and a plain decode of `sample`, after `sample`'s text, all interleaved
+    (`interleaved_timings`), so that every price is relative to the same plain step under the
     same load.
 
     What that plain decode spends beyond its prefill and one forward per token is plain's
@@ -296,8 +347,14 @@ def calibrate(
         return lambda: [head(hidden) for _ in range(_HEAD_CALLS)]
 
     all_but_first = tuple(range(1, num_layers))
+    verifications = verification_runs(model, sample, verification_knots(max_verify_tokens))
     runs: dict[Any, Callable[[], Any]] = {
-        **verification_runs(model, sample, range(1, max_verify_tokens + 1)),
+        # every width once, then again, so that a width's timings within a round are apart
+        **{
+            ("verify", width, repeat): run
+            for repeat in range(_VERIFY_TIMINGS_PER_ROUND)
+            for width, run in verifications.items()
+        },
         "full": skipping((), ()),
         "one attention": skipping(all_but_first, ()),
         "one mlp": skipping((), all_but_first),
@@ -307,8 +364,15 @@ def calibrate(
         "prefill": prefill,
         "plain": plain_decode,
     }
-    seconds = interleaved_medians(runs, _CALIBRATION_ROUNDS, timer)
-    verify_seconds = (0.0, *(seconds[tokens] for tokens in range(1, max_verify_tokens + 1)))
+    timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
+    seconds = {name: statistics.median(timed) for name, timed in timings.items()}
+    widths = {
+        width: statistics.median(
+            timing for repeat in range(_VERIFY_TIMINGS_PER_ROUND) for timing in timings["verify", width, repeat]
+        )
+        for width in verifications
+    }
+    verify_seconds = verification_prices(widths, max_verify_tokens)
     steps = len(sample.reference)
     plain_step_overhead = (seconds["plain"] - seconds["prefill"] - (steps - 1) * verify_seconds[1]) / steps
     full, one_attention, one_mlp = (seconds[name] / _CALIBRATION_TOKENS for name in ("full", "one attention", "one mlp"))
@@ -687,7 +751,7 @@ class CostModelWatch:
     a neighbour's load comes and goes in episodes of seconds to a minute, which move a probe's
     ratio as far as a lasting change does, while a re-time costs a whole calibration and leaves
     the values before it and after it priced apart. The probe is compared with itself, not with
-    the cost model's ratio: the cost model times every width and draft interleaved in more
+    the cost model's ratio: the cost model times its widths and drafts interleaved in more
     rounds, so the two read the same load a little differently, and only a change in the probe's
     own reading is the load's. Each re-time is recorded in the study's user attrs
     (`cost_model_retimes`) and logged, so a study's values can be read with it in mind.

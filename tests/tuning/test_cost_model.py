@@ -8,8 +8,17 @@ from __future__ import annotations
 import types
 
 import optuna
+import pytest
 
-from hf_selfspec.tuning.estimate import CostModel, CostModelWatch, interleaved_medians, rescaled_overheads
+from hf_selfspec.tuning.estimate import (
+    CostModel,
+    CostModelWatch,
+    interleaved_medians,
+    nondecreasing,
+    rescaled_overheads,
+    verification_knots,
+    verification_prices,
+)
 
 BASE = {"plain step": 1.0, "wide verification": 3.0, "draft": 0.5}
 ROUNDS = 5
@@ -166,3 +175,30 @@ def test_a_retimed_model_keeps_the_loops_overhead_in_proportion_to_the_plain_ste
     assert rescaled.verify_seconds == new.verify_seconds
     assert rescaled.plain_step_overhead == 0.05  # timed again, in the re-time's own rounds
     assert rescaled.loop_step_overhead == 0.4
+
+
+def test_the_verifier_is_timed_densely_where_its_cost_bends_and_at_its_widest():
+    assert verification_knots(33) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33)
+    assert verification_knots(4) == (1, 2, 3, 4)
+    assert verification_knots(1) == (1,)
+
+
+def test_a_noisy_median_never_prices_a_wider_verification_below_a_narrower_one():
+    """A burst that fell on a narrow width's timings, or spared a wide one's, must not make a
+    longer proposal look cheaper than a shorter one: prices are pooled until they never fall,
+    and widths between two timed ones lie on the line between them."""
+    medians = {1: 1.0, 2: 1.4, 4: 1.2, 8: 2.0, 16: 1.8}
+    prices = verification_prices(medians, 16)
+    assert len(prices) == 17 and prices[0] == 0.0
+    assert all(narrower <= wider for narrower, wider in zip(prices[1:], prices[2:]))
+    assert prices[1] == 1.0
+    assert prices[2] == prices[3] == prices[4] == pytest.approx(1.3)  # 1.4 and 1.2 pooled
+    assert prices[8] == prices[16] == pytest.approx(1.9)
+    assert prices[6] == pytest.approx((1.3 + 1.9) / 2)
+    assert prices[12] == pytest.approx(1.9)
+
+
+def test_prices_that_already_rise_are_kept_and_joined_by_lines():
+    prices = verification_prices({1: 1.0, 2: 1.1, 4: 1.5}, 4)
+    assert prices == pytest.approx((0.0, 1.0, 1.1, 1.3, 1.5))
+    assert nondecreasing([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
