@@ -737,6 +737,11 @@ class EstimatedSpeedupObjective:
         categories.record(trial, self.category_floor)
         return categories.value
 
+    def reprice(self, trial: optuna.trial.FrozenTrial) -> float:
+        """`trial`'s estimate at the cost model's prices as they are now, which may have been
+        timed again (`CostModelWatch`) since it ran."""
+        return self(optuna.trial.FixedTrial(trial.params))
+
 
 class CostModelWatch:
     """An Optuna callback that keeps the objective's cost model true to the machine as it is now.

@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -262,6 +263,7 @@ def run_tune(
 
     this_run = {state: 0 for state in FINISHED}
     floor = config.study.category_floor
+    reprice = None  # the estimate at the cost model's prices as they are now, once timed in this run
     if n_trials > 0:
         if estimated:  # the cost model takes a minute to time: only for trials that will run
             print("Timing the forward passes for the cost model...", flush=True)
@@ -275,6 +277,7 @@ def run_tune(
             )
             record_cost_model(study, objective.cost)
             callbacks.append(cost_watch)
+            reprice = objective.reprice
         else:
             objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
         timeout = timeout if timeout is not None else config.study.timeout
@@ -285,15 +288,25 @@ def run_tune(
     outcome = TuneOutcome(study, storage_url, this_run)
     if estimated and config.study.confirm_top:
         measuring = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
-        outcome.confirmed = confirm_estimates(storage, measured_name, study, context, config, measuring, show_progress)
+        outcome.confirmed = confirm_estimates(
+            storage, measured_name, study, context, config, measuring, show_progress, reprice
+        )
     return outcome
 
 
 def confirm_estimates(
     storage, measured_name: str, estimated: optuna.Study, context: StudyContext, config: StudyConfig,
     measuring: SpeedupObjective, show_progress: bool,
+    reprice: Callable[[optuna.trial.FrozenTrial], float] | None = None,
 ) -> optuna.Study:
     """Measure the best feasible estimated trials by real decoding, as trials of the measured study.
+
+    With `reprice`, the best are chosen again from twice as many, each estimated afresh at the
+    cost model's prices as they are now. A study's values carry the prices of the moment each
+    trial ran; once the cost model has been re-timed on a machine whose load changed, the values
+    before and after were priced apart, and the highest are likeliest those of the cheapest
+    stretch. The prices now are the ones timed nearest the confirmation, so they are the ones its
+    measurement can be compared with.
 
     They are decoded side by side, beside one plain decode of each prompt
     (`SpeedupObjective.measure_side_by_side`), and each is added to the measured study only once
@@ -306,22 +319,28 @@ def confirm_estimates(
     context.check_matches(measured)
     context.save(measured)
     complete = [t for t in estimated.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if is_feasible(t)]
-    best = sorted(complete, key=lambda t: t.value, reverse=True)[: config.study.confirm_top]
+    ranked = sorted(complete, key=lambda t: t.value, reverse=True)
+    if reprice is None:
+        candidates = [(trial, trial.value) for trial in ranked]
+    else:
+        candidates = [(trial, reprice(trial)) for trial in ranked[: 2 * config.study.confirm_top]]
+    best = sorted(candidates, key=lambda candidate: candidate[1], reverse=True)[: config.study.confirm_top]
     already = [trial.params for trial in measured.get_trials(deepcopy=False, states=FINISHED)]
-    pending = [trial for trial in best if trial.params not in already]
+    pending = [(trial, value) for trial, value in best if trial.params not in already]
     if not pending:
         return measured
     print(
         f"Confirming {len(pending)} estimated trial(s) by real decoding, side by side, in study {measured_name!r}",
         flush=True,
     )
-    fixed = [optuna.trial.FixedTrial(trial.params) for trial in pending]
+    fixed = [optuna.trial.FixedTrial(trial.params) for trial, _ in pending]
     disable = None if show_progress else True  # None: no bar where stderr is not a terminal
     with tqdm(total=len(measuring.prompts), unit="prompt", desc="confirming", disable=disable) as bar:
         outcomes = measuring.measure_side_by_side(fixed, lambda: bar.update(1))
     progress = _Progress(len(pending), show_progress)
-    for estimate, trial, outcome in zip(pending, fixed, outcomes, strict=True):
+    for (estimate, value), trial, outcome in zip(pending, fixed, outcomes, strict=True):
         failed = isinstance(outcome, LosslessViolation)
+        repriced = {"estimated_speedup_in_study": estimate.value} if value != estimate.value else {}
         measured.add_trial(
             optuna.trial.create_trial(
                 state=TrialState.FAIL if failed else TrialState.COMPLETE,
@@ -329,7 +348,7 @@ def confirm_estimates(
                 params=estimate.params,
                 distributions=estimate.distributions,
                 user_attrs={
-                    **trial.user_attrs, "estimated_speedup": estimate.value, "estimated_trial": estimate.number
+                    **trial.user_attrs, "estimated_speedup": value, "estimated_trial": estimate.number, **repriced
                 },
                 constraints=trial.constraints or None,
             )

@@ -116,3 +116,30 @@ def test_a_killed_confirmation_leaves_nothing_and_the_next_run_measures_only_wha
     third = ScriptedConfirmation(NUM_LAYERS)
     assert len(confirm_estimates(storage, "s", estimated, context, top_three, third, False).trials) == 3
     assert len(third.measured) == 1  # only the estimate not confirmed before
+
+
+
+def test_the_confirmed_trials_are_chosen_and_shown_at_the_prices_of_the_confirmation(tmp_path, tiny_llama_dir):
+    """Trials 1 and 2 were priced at 1.5 and 1.3 when they ran, by a cost model that has since
+    been re-timed; at today's prices they come to 1.0 and 1.25. The two best of the study are
+    priced again and the better of them now, trial 2, is the one confirmed, with its estimate
+    now beside the measurement and the study's kept for reference. Trial 0 is not even priced."""
+    storage_url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    estimated = make_tuned_looking_study(storage_url, "s:estimated", tiny_llama_dir, speedups=(1.1, 1.5, 1.3))
+    storage = optuna.storages.RDBStorage(storage_url)
+    today = {1: 1.0, 2: 1.25}
+    priced = []
+
+    def reprice(trial):
+        priced.append(trial.number)
+        return today[trial.number]
+
+    top_one = StudyConfig(study=StudySettings(confirm_top=1))
+    confirmed = confirm_estimates(
+        storage, "s", estimated, _context(tiny_llama_dir), top_one, ScriptedConfirmation(NUM_LAYERS), False, reprice
+    )
+    assert sorted(priced) == [1, 2]
+    [trial] = confirmed.trials
+    assert trial.user_attrs["estimated_trial"] == 2 and trial.params == estimated.trials[2].params
+    assert trial.user_attrs["estimated_speedup"] == 1.25
+    assert trial.user_attrs["estimated_speedup_in_study"] == 1.3

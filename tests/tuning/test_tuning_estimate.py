@@ -626,6 +626,8 @@ def test_estimated_study_confirms_its_best_trials_by_real_decoding(tmp_path, tin
     assert outcome.confirmed.study_name == outcome.study.study_name.removesuffix(":estimated")
     assert [trial.params for trial in confirmed] == [trial.params for trial in top]
     assert [trial.user_attrs["estimated_speedup"] for trial in confirmed] == [trial.value for trial in top]
+    # priced again at the same prices before confirming, each came to exactly its study value
+    assert not any("estimated_speedup_in_study" in trial.user_attrs for trial in confirmed)
     assert "Measured by real decoding" in format_summary(outcome)
 
     result = export_profile(storage, outcome.export_study.study_name, tmp_path / "export")
