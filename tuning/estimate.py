@@ -290,11 +290,13 @@ def calibrate(
     (`interleaved_timings`), so that every price is relative to the same plain step under the
     same load.
 
-    What that plain decode spends beyond its prefill and one forward per token is plain's
-    per-step overhead. It may come out below zero, where plain decoding's own step costs less
-    than a timed verification of one token; it is a correction, so that plain is priced at what
-    it takes. Read off decodes timed at another moment (the prompts' first decodes), under
-    another load than the forward passes, it would misprice plain against them.
+    Plain's per-step overhead is what that plain decode spends beyond its forward passes, both
+    timed within it (`forward_timings`), in the cost model's units (`overhead_per_step`). Read
+    instead as the decode's time beyond its forward passes at their prices, it would take in the
+    gap between what a decode's many forward passes take on average and the median of short
+    timed calls, which a busy machine's long tail of slow calls opens wide: plain would be
+    priced at its average and every verification at its median, and every trial would look
+    faster than it runs.
     """
     timer = timer or device_timer(model.device)
     cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
@@ -306,10 +308,14 @@ def calibrate(
         prefill_cache.rollback(0)
         _forward(model, prompt_ids, 0, prefill_cache, 1)
 
+    plain_forwards: list[float] = []  # the seconds of its forward passes, in each timed plain decode
+
     def plain_decode() -> None:
         # Stopped where plain decoding stopped, so that it decodes exactly the sample's reference.
         kwargs = {"do_sample": False, **generate_kwargs, "max_new_tokens": len(sample.reference)}
-        model.generate(**inputs, strategy=PLAIN, **kwargs)
+        with forward_timings(model) as forwards:
+            model.generate(**inputs, strategy=PLAIN, **kwargs)
+        plain_forwards.append(sum(seconds for _, seconds in forwards))
 
     def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
         sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
@@ -374,7 +380,11 @@ def calibrate(
     }
     verify_seconds = verification_prices(widths, max_verify_tokens)
     steps = len(sample.reference)
-    plain_step_overhead = (seconds["plain"] - seconds["prefill"] - (steps - 1) * verify_seconds[1]) / steps
+    priced_plain = seconds["prefill"] + (steps - 1) * verify_seconds[1]
+    plain_step_overhead = statistics.median(
+        overhead_per_step(total - forwards, forwards, priced_plain, steps)
+        for total, forwards in zip(timings["plain"], plain_forwards, strict=True)
+    )
     full, one_attention, one_mlp = (seconds[name] / _CALIBRATION_TOKENS for name in ("full", "one attention", "one mlp"))
     heads = ("full head", *(("head", size) for size in _HEAD_SIZES))
     full_head, small_head, large_head = (seconds[name] / _HEAD_CALLS for name in heads)
@@ -406,6 +416,15 @@ _LOOP_PROBE = {
 }
 
 
+def overhead_per_step(outside: float, timed_forwards: float, priced_forwards: float, steps: float) -> float:
+    """A decode's seconds `outside` its forward passes, per step, in the cost model's units: at the
+    ratio of those forward passes' prices to their seconds timed in the same decode, so that a
+    load that slowed the whole decode reads as on an idle machine. Never below zero."""
+    if timed_forwards <= 0 or steps <= 0:
+        return 0.0
+    return max(outside, 0.0) * priced_forwards / timed_forwards / steps
+
+
 def calibrate_loop(
     model, cost: CostModel, prompts: Sequence[TeacherForcedPrompt], generate_kwargs: dict[str, Any]
 ) -> CostModel:
@@ -429,8 +448,7 @@ def calibrate_loop(
         # the first forward pass is the prompt's prefill
         priced += data.prefill_seconds + sum(cost.verify(width) for width, _ in forwards[1:])
         steps += run.stats.verification_steps + run.stats.plain_steps + 1
-    overhead = outside * priced / timed_forwards / steps if timed_forwards > 0 else 0.0
-    return dataclasses.replace(cost, loop_step_overhead=max(overhead, 0.0))
+    return dataclasses.replace(cost, loop_step_overhead=overhead_per_step(outside, timed_forwards, priced, steps))
 
 
 def _committed_kv_mask(model, data: TeacherForcedPrompt) -> torch.Tensor | dict[str, torch.Tensor]:
