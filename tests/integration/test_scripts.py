@@ -70,6 +70,29 @@ def test_kangaroo_arithmetic_prices_the_replayed_drafts(tiny_llama_dir, exit1_ad
     assert all(0.0 <= float(acceptance) <= 1.0 for _, _, acceptance in settings)
 
 
+def test_kangaroo_arithmetic_prices_each_workload_category(tiny_llama_dir, exit1_adapter):
+    out = _run_script("kangaroo_arithmetic.py", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload",
+                      "--top", "1", exit1_adapter)
+    categories = sorted({prompt.category for prompt in load_prompts("workload", split="held_out")})
+    agreed = re.findall(r"^  (\w+): first choice agrees with plain greedy at [\d.]+ of positions", out, re.MULTILINE)
+    assert sorted(agreed) == categories
+    best_row = re.search(r"^  max_draft_tokens \d+, draft_exit_threshold [\d.]+: ([\d.]+)x.*\n    (.*)$", out, re.MULTILINE)
+    assert best_row
+    in_best_row = dict(re.findall(r"(\w+) ([\d.]+)x", best_row.group(2)))
+    assert sorted(in_best_row) == categories
+    # The row's figure is the geometric mean of its categories' speedups.
+    product = 1.0
+    for value in in_best_row.values():
+        product *= float(value)
+    assert float(best_row.group(1)) == pytest.approx(product ** (1 / len(categories)), abs=2e-3)
+    # A category's own best setting is at least what the setting best over all of them gives it.
+    own_best = re.search(r"^  each category's best setting: (.*)$", out, re.MULTILINE)
+    assert own_best
+    per_category = dict(re.findall(r"(\w+) ([\d.]+)x \(\d+ tokens", own_best.group(1)))
+    assert sorted(per_category) == categories
+    assert all(float(per_category[c]) >= float(in_best_row[c]) for c in categories)
+
+
 def test_measure_kangaroo_reports_costs_and_agreement_by_threshold(tiny_llama_dir, exit1_adapter):
     out = _run_script("measure_kangaroo.py", "--model", str(tiny_llama_dir), "--prompts", "1", exit1_adapter)
     assert re.search(r"^full one-token step: [\d.]+ ms \(median of \d+\)$", out, re.MULTILINE)
