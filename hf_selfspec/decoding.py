@@ -173,7 +173,10 @@ def speculative_decode(
 
         # Roll back: keep the KV of every committed token but the newest, which has none yet
         verified_from, kv_length = kv_length, state.length - 1
-        if verdict.alternative_row is not None and not finished:
+        # An accepted alternative keeps its KV whenever the token after it was committed, on the
+        # last step too: the cache a chat's next turn continues from must hold it. A stop on the
+        # alternative itself leaves it the newest token, with no KV yet.
+        if verdict.alternative_row is not None and committed == len(verdict.tokens):
             source_row, target_row = first_row + verdict.alternative_row, kv_length - 1 - verified_from
             cache.move_entry(verified_from + source_row, verified_from + target_row)
             parts.drafter.keep_alternative(source_row, target_row)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
+from hf_selfspec import decoding
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
 from hf_selfspec.cache import CACHE_ARGUMENT, cache_keyword
 from helpers.adapters import random_adapter
@@ -78,6 +79,37 @@ def test_a_chat_continues_from_its_earlier_turns_as_plain_decoding_does(architec
     assert not any(getattr(layer, "record_past", False) for layer in cache.layers)
     # Plain decoding fed the next turn only the new tokens; so did the comparison above, on ours.
     assert all(keys.shape[-2] <= length for keys, _ in kv)
+
+
+# The tiny Gemma models' greedy text repeats itself, so their drafts are taken whole and no
+# runner-up is ever accepted; Qwen2's sliding-window layers stand in for theirs.
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_runner_up_accepted_on_the_last_step_leaves_its_kv_in_the_cache(architecture, monkeypatch):
+    """The step that ends a decode may accept a draft's runner-up and then the verifier's token
+    after it. The cache then holds the runner-up's KV, in that token's place, as plain decoding's
+    does, or a chat's next turn continues from a wrong state. Every length of decode is tried, so
+    that some end on such a step; with the back-off off, which steps those are does not depend on
+    timing."""
+    model = tiny_model(architecture, initializer_range=0.3)
+    verdicts = []
+    real_verify = decoding.verify
+    monkeypatch.setattr(decoding, "verify", lambda *args: verdicts.append(real_verify(*args)) or verdicts[-1])
+    prompt = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(7))
+    ended_on_runner_up = 0
+    for new_tokens in range(2, NEW_TOKENS + 1):
+        plain_cache, cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        plain = model.generate(prompt, **cache_keyword(plain_cache), max_new_tokens=new_tokens, do_sample=False,
+                               strategy="plain")
+        verdicts.clear()
+        ours = model.generate(prompt, **cache_keyword(cache), max_new_tokens=new_tokens, do_sample=False,
+                              backoff_probe_interval=0, **DRAFTS["layer_skip_with_alternatives"])
+        assert ours.tolist() == plain.tolist()
+        ended_on_runner_up += verdicts[-1].alternative_row is not None
+        assert cache.get_seq_length() == plain_cache.get_seq_length()
+        for plain_layer, layer in zip(plain_cache.layers, cache.layers, strict=True):
+            torch.testing.assert_close(layer.keys, plain_layer.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer.values, plain_layer.values, atol=1e-4, rtol=1e-4)
+    assert ended_on_runner_up
 
 
 def test_the_adapter_reads_the_earlier_turns_too(tmp_path):
