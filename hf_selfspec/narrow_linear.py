@@ -41,7 +41,11 @@ _TIMING_ROUNDS = 5
 # until it lasts about this long, or a noisy choice would differ from one process to the next.
 _SAMPLE_SECONDS = 2e-3
 
-_VERIFYING: ContextVar[bool] = ContextVar("hf_selfspec_verifying", default=False)
+# Inside `verifying`: the layout chosen so far in this block, by (dtype, out features, in features,
+# rows); None outside
+_VERIFYING: ContextVar[dict[tuple[torch.dtype, int, int, int], bool] | None] = ContextVar(
+    "hf_selfspec_verifying", default=None
+)
 # (threads, dtype, out features, in features, band) -> whether the transposed layout is faster;
 # the kernels split the work between threads differently, so the winner may change with their number
 _TRANSPOSED_FASTER: dict[tuple[int, torch.dtype, int, int, int], bool] = {}
@@ -93,14 +97,23 @@ def transposed_is_faster(weight: torch.Tensor, band: int) -> bool:
 
 
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if _VERIFYING.get() and input.device.type == "cpu" and not torch.is_grad_enabled():
-        rows = input.numel() // input.shape[-1]
-        band = _band(rows) if rows > 1 else None
-        if band is not None and self.weight.device.type == "cpu" and transposed_is_faster(self.weight, band):
-            output = _transposed(self.weight, input.reshape(rows, input.shape[-1]))
+    # This runs for every layer of every verification's forward pass, so it asks as little as it
+    # can: the choice for a shape and number of rows is looked up once per `verifying` block. The
+    # input's dtype stands for the weight's: they match outside autocast, and a choice shared
+    # under it can cost speed, never a different product.
+    choices = _VERIFYING.get()
+    if choices is not None and input.is_cpu and not torch.is_grad_enabled():
+        rows = input.numel() // self.in_features
+        key = (input.dtype, self.out_features, self.in_features, rows)
+        transposed = choices.get(key)
+        if transposed is None:
+            band = _band(rows) if rows > 1 else None
+            transposed = choices[key] = band is not None and transposed_is_faster(self.weight, band)
+        if transposed:
+            output = _transposed(self.weight, input.reshape(rows, self.in_features))
             if self.bias is not None:
                 output += self.bias
-            return output.reshape(*input.shape[:-1], self.weight.shape[0])
+            return output.reshape(*input.shape[:-1], self.out_features)
     return nn.Linear.forward(self, input)
 
 
@@ -143,7 +156,7 @@ def verifying(model: nn.Module) -> Iterator[None]:
     """Run `model`'s forward passes in this block on the faster layout for their rows."""
     if isinstance(model, nn.Module):
         install(model)
-    token = _VERIFYING.set(True)
+    token = _VERIFYING.set({})
     try:
         yield
     finally:

@@ -70,6 +70,31 @@ def test_only_a_verification_of_a_few_rows_without_autograd_takes_it(transposed_
     assert transposed_calls == []
 
 
+@torch.no_grad()
+def test_a_verification_asks_once_per_shape_and_rows_and_the_next_one_asks_again(monkeypatch):
+    """Every layer of every verification consults the choice, so within one `verifying` block it
+    is asked once per shape and number of rows (layers of one shape share it); a new block asks
+    again, so a choice made later (or a test's) is seen."""
+    asked = []
+
+    def stock_is_faster(weight, band):
+        asked.append((*weight.shape, band))
+        return False
+
+    monkeypatch.setattr(narrow_linear, "transposed_is_faster", stock_is_faster)
+    model = TwoLinears()
+    model.twin = nn.Linear(16, 24)  # the first layer's shape
+    x = torch.randn(1, 3, 16)
+    with verifying(model):
+        for _ in range(2):
+            model(x), model.twin(x)
+        model(torch.randn(1, 5, 16))
+    assert asked == [(24, 16, 4), (8, 24, 4), (24, 16, 6), (8, 24, 6)]
+    with verifying(model):
+        model(x)
+    assert asked[4:] == [(24, 16, 4), (8, 24, 4)]
+
+
 def test_install_leaves_wrapped_and_subclassed_layers_alone():
     class QuantisedLinear(nn.Linear):
         pass
