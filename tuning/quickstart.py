@@ -15,6 +15,7 @@ the command still says plainly when no trial beat plain.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import optuna
 
 from hf_selfspec.inputs import output_directory
 from hf_selfspec.loading import EMBEDDED
+from hf_selfspec.measure import TimedRun, timed_generate
 from hf_selfspec.prompts import HELD_OUT_SPLIT, TUNE_SPLIT, WORKLOAD, Prompt, load_prompts
 
 from . import TuningError
@@ -63,11 +65,18 @@ def demo_prompt() -> Prompt:
     return load_prompts(WORKLOAD, 1, split=HELD_OUT_SPLIT)[0]
 
 
+def demo_rate(runs: Sequence[TimedRun]) -> float:
+    """A contender's tokens per second over its demo runs: the median of each run's own rate.
+    Past a reduced-precision near-tie a decode may end sooner than plain's, and the repeats of
+    one profile need not meet the same near-ties (the back-off's timed choices change a
+    verification's width, so its rounding), so a run's seconds count only against its own tokens."""
+    return statistics.median(run.tokens_per_second for run in runs)
+
+
 def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_progress: bool = True) -> int:
     from hf_selfspec.consistency import NEAR_TIE, check_greedy_consistency
     from hf_selfspec.embedded import load_embedded
     from hf_selfspec.loading import load_model_and_tokenizer
-    from hf_selfspec.measure import timed_generate
     from hf_selfspec.prompts import encode_prompt
     from hf_selfspec.strategies import PLAIN
 
@@ -132,11 +141,7 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
     # One untimed plain decode with its logits: what a reduced-precision near-tie is judged by.
     reference = timed_generate(fresh_model, inputs, strategy=PLAIN, output_logits=True, **kwargs)
     verdicts = []
-    # Per generated token: past a reduced-precision near-tie a decode may end sooner than plain's,
-    # and its seconds alone would then overstate it.
-    rates = {
-        name: len(timed[0].new_tokens) / statistics.median(run.seconds for run in timed) for name, timed in runs.items()
-    }
+    rates = {name: demo_rate(timed) for name, timed in runs.items()}
     for name, timed in runs.items():
         line = f"{name:<16} {rates[name]:6.1f} tokens/s"
         stats = timed[0].stats
