@@ -30,6 +30,7 @@ only measured speedups are reported as such.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -173,6 +174,9 @@ class CostModel:
     restricted_head_constant: float  # relative to the full head
     restricted_head_per_row: float
     loop_step_overhead: float = 0.0
+    # Plain decoding's forward pass over one token, on the stock kernels; the loop's own one-token
+    # pass is `verify(1)`, on whichever kernel is faster here (`narrow_linear`). 0: the same.
+    plain_forward_seconds: float = 0.0
     # A trained adapter's draft token with the full head, timed: its block, mask and rotary set-up
     # are not a decoder layer's, and the shallow layers are few enough for overheads to weigh.
     adapter_draft_seconds: dict[str, float] = field(default_factory=dict)
@@ -197,6 +201,9 @@ class CostModel:
 
     def verify(self, tokens: int) -> float:
         return self.verify_seconds[min(tokens, len(self.verify_seconds) - 1)]
+
+    def plain_forward(self) -> float:
+        return self.plain_forward_seconds or self.verify(1)
 
 
 @dataclass(frozen=True)
@@ -225,12 +232,21 @@ class TeacherForcedPrompt:
 
 
 @torch.no_grad()
-def _forward(model, input_ids: torch.Tensor, start: int, cache: DraftAwareCache, logits_to_keep: int, **kwargs):
+def _forward(
+    model,
+    input_ids: torch.Tensor,
+    start: int,
+    cache: DraftAwareCache,
+    logits_to_keep: int,
+    verifier_kernels: bool = True,
+    **kwargs,
+):
     """The full model's forward pass over `input_ids` from position `start`, as the decoding
-    loop verifies (`model_forward`), on the same kernels: outside autograd, as `generate` runs,
-    whoever calls it (the cost-model watch probes from an Optuna callback)."""
+    loop verifies (`model_forward`), on the same kernels (or, not `verifier_kernels`, on plain
+    decoding's): outside autograd, as `generate` runs, whoever calls it (the cost-model watch
+    probes from an Optuna callback)."""
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    with verifying(model):
+    with verifying(model) if verifier_kernels else contextlib.nullcontext():
         return model(
             input_ids=input_ids,
             position_ids=positions,
@@ -317,6 +333,11 @@ def calibrate(
             model.generate(**inputs, strategy=PLAIN, **kwargs)
         plain_forwards.append(sum(seconds for _, seconds in forwards))
 
+    def plain_forward() -> None:
+        # plain decoding's step, on the stock kernels
+        _forward(model, text[None, -1:], kv_length, cache, 1, verifier_kernels=False)
+        cache.rollback(kv_length)
+
     def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
         sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
         sequence[0, : kv_length + 1] = text
@@ -368,6 +389,7 @@ def calibrate(
         **{("head", size): head_run(RestrictedDraftHead(model, size, text[:1])) for size in _HEAD_SIZES},
         **{path: adapter_draft(path) for path in draft_adapters},
         "prefill": prefill,
+        "plain forward": plain_forward,
         "plain": plain_decode,
     }
     timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
@@ -380,7 +402,7 @@ def calibrate(
     }
     verify_seconds = verification_prices(widths, max_verify_tokens)
     steps = len(sample.reference)
-    priced_plain = seconds["prefill"] + (steps - 1) * verify_seconds[1]
+    priced_plain = seconds["prefill"] + (steps - 1) * seconds["plain forward"]
     plain_step_overhead = statistics.median(
         overhead_per_step(total - forwards, forwards, priced_plain, steps)
         for total, forwards in zip(timings["plain"], plain_forwards, strict=True)
@@ -396,6 +418,7 @@ def calibrate(
         num_layers=num_layers,
         verify_seconds=verify_seconds,
         plain_step_overhead=plain_step_overhead,
+        plain_forward_seconds=seconds["plain forward"],
         draft_constant=full - num_layers * (attention_seconds + mlp_seconds),
         attention_seconds=attention_seconds,
         mlp_seconds=mlp_seconds,
@@ -711,7 +734,8 @@ def estimate_decode(
 
 def plain_seconds(data: TeacherForcedPrompt, cost: CostModel) -> float:
     """Plain decoding in the same units: the prefill, then one forward and overhead per token."""
-    return data.prefill_seconds + len(data.reference) * cost.plain_step_overhead + (len(data.reference) - 1) * cost.verify(1)
+    steps = len(data.reference)
+    return data.prefill_seconds + steps * cost.plain_step_overhead + (steps - 1) * cost.plain_forward()
 
 
 class EstimatedSpeedupObjective:

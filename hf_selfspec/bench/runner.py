@@ -59,7 +59,7 @@ def measure(
     """Time each contender on each prompt `repeats` times, after one uncounted warm-up run per
     contender on the first prompt (lazy initialisation, allocator growth and, on GPUs, kernel
     selection would otherwise land on whichever contender happens to run first). Our strategies'
-    verifications choose a matrix layout per band of widths the first time they meet it, which
+    verifications choose a kernel per band of widths the first time they meet it, which
     one warm-up prompt does not reach: those choices are all made first (`choose_layouts`). In the first
     repeat each prompt is first decoded plainly, untimed, for reference.
 
@@ -97,7 +97,7 @@ def measure(
     try:
         with bar:
             if any(contender.family == HF_SELFSPEC for contender in contenders):
-                bar.set_postfix_str("timing the verifier's layouts")
+                bar.set_postfix_str("timing the verifier's kernels")
                 choose_layouts(model)
             for contender in contenders:
                 bar.set_postfix_str(f"warm-up {contender.name}")

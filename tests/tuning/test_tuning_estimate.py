@@ -374,7 +374,7 @@ def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(s
     the same at every width, the draft nothing per sub-layer and the head nothing per row."""
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     adapter = random_adapter(sharp_llama, 1, tmp_path)
-    items = 4 + 3 + 3 + 1 + 2  # widths, skip sets, heads, the adapter, the prefill and a plain decode
+    items = 4 + 3 + 3 + 1 + 3  # widths, skip sets, heads, the adapter, the prefill, a plain step and decode
     names = []  # of the runs timed so far; a round ends with the plain decode
     calls = []
 
@@ -396,37 +396,39 @@ def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(s
     assert cost.draft_token_seconds(full_model_draft) == pytest.approx(cost.adapter_draft_seconds[adapter])
 
 
-def test_plain_is_priced_at_the_verifiers_prices_and_the_overhead_timed_within_its_decode(sharp_llama, monkeypatch):
+def test_plain_is_priced_at_its_own_step_and_the_overhead_timed_within_its_decode(sharp_llama, monkeypatch):
     """Plain's overhead per step is what a plain decode, timed in the calibration's rounds, spends
     beyond its forward passes, timed within it, read in the cost model's units. A busy machine's
     long tail of slow calls, which the median of short timed calls drops but a long decode pays
     (here its forward passes take 1.6 times their price), is not taken for plain's overhead:
-    plain is priced at the same prices as every verification."""
+    plain is priced as every verification is, at the median of its step timed in the rounds, on
+    the stock kernels plain decoding runs on (here 0.8 of the verifier's one-token pass)."""
     from hf_selfspec.tuning import estimate
 
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
-    steps, prefill, overhead, tail = len(data.reference), 0.5, 0.02, [1.0]
+    steps, prefill, step, overhead, tail = len(data.reference), 0.5, 0.8, 0.02, [1.0]
     decoded = []
 
     @contextlib.contextmanager
     def forward_timings(model):
-        yield [(data.prompt_length, prefill * tail[0]), *((1, 1.0 * tail[0]),) * (steps - 1)]
+        yield [(data.prompt_length, prefill * tail[0]), *((1, step * tail[0]),) * (steps - 1)]
 
     def timer(run):
         run()
         name = getattr(run, "__name__", "")
         decoded.extend(["plain"] if name == "plain_decode" else [])
         if name == "plain_decode":
-            return (prefill + (steps - 1) * 1.0 + steps * overhead) * tail[0]
-        return {"prefill": prefill}.get(name, 1.0)
+            return (prefill + (steps - 1) * step + steps * overhead) * tail[0]
+        return {"prefill": prefill, "plain_forward": step}.get(name, 1.0)
 
     monkeypatch.setattr(estimate, "forward_timings", forward_timings)
     for slower in (1.0, 1.6):
         tail[0] = slower
         cost = calibrate(sharp_llama, data, NUM_LAYERS, 4, timer=timer)
         assert decoded
+        assert cost.verify(1) == 1.0 and cost.plain_forward() == step
         assert cost.plain_step_overhead == pytest.approx(overhead)
-        priced = prefill + (steps - 1) * 1.0 + steps * overhead
+        priced = prefill + (steps - 1) * step + steps * overhead
         assert plain_seconds(dataclasses.replace(data, prefill_seconds=prefill), cost) == pytest.approx(priced)
 
 
