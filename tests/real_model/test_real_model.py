@@ -24,6 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Case keywords name shipped files as a profile does, relative to the directory they ship in.
 SHIPPED = Path(str(TUNED_CONFIG)).parent
 ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-generation_config.json")["cpu/bfloat16"]
+GENERAL_ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-general-generation_config.json")["cpu/bfloat16"]
 # The default a CPU with AMX applies in bfloat16, which no other CPU selects: run here in each dtype.
 AMX_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/amx/bfloat16"]
 
@@ -46,6 +47,8 @@ STRATEGY_KWARGS = {
                               "draft_adapter": "kangaroo-exit1.safetensors"},
     # Kangaroo alone as tuned where wide verifications are cheap: six-token drafts, three runner-ups each (25 rows).
     "kangaroo_alone_profile": {"strategy": ALONE_PROFILE.strategy, **ALONE_PROFILE.params},
+    # The general adapter alone, as shipped for every kind of text: runner-ups beside each drafted token.
+    "kangaroo_alone_general_profile": {"strategy": GENERAL_ALONE_PROFILE.strategy, **GENERAL_ALONE_PROFILE.params},
     # Thirteen-token lookups into the general corpus, the general adapter's drafts, no back-off.
     "amx_default_profile": {"strategy": AMX_PROFILE.strategy, **AMX_PROFILE.params},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
