@@ -66,13 +66,14 @@ from .objective import PreparedPrompt, begin_trial
 
 logger = logging.getLogger(__name__)
 
-# Draft steps timed per calibration point, and rounds of the interleaved timing. The median, not
-# the minimum: the estimate must match what decoding typically pays, not the machine's best moment.
+# Draft steps timed per calibration point, and rounds of the interleaved timing. A typical time
+# (`typical_seconds`), not the minimum: the estimate must match what decoding pays, not the
+# machine's best moment.
 _CALIBRATION_TOKENS = 6
 _CALIBRATION_ROUNDS = 7
 # The verifier is timed at a few widths (`verification_knots`), each this many times a round: on a
 # busy machine one forward pass may take several times another of the same width, and a price
-# between two widths rests on both of their medians.
+# between two widths rests on both of their typical times.
 _VERIFY_TIMINGS_PER_ROUND = 3
 # Two restricted-head sizes pin down the head's cost as a line in the number of rows it keeps. A
 # head is cheap enough for one call to drown in the timer's noise: each timing spans several.
@@ -113,11 +114,24 @@ def interleaved_medians(runs: Mapping[Any, Callable[[], Any]], rounds: int, time
     return {name: statistics.median(seconds) for name, seconds in interleaved_timings(runs, rounds, timer).items()}
 
 
+def typical_seconds(seconds: Sequence[float]) -> float:
+    """The mean of the middle two thirds of `seconds`: what a run costs in a decode that repeats it.
+
+    A decode pays the mean of its forward passes. Where a neighbour keeps a core busy, each pass
+    lands either on free cores or behind the neighbour, two modes far apart; where they are near
+    even, the median falls in one mode or the other from one calibration to the next, while the
+    mean of the middle follows their mix. Dropping the outer sixths keeps out a burst of load that
+    fell on one round in seven."""
+    ordered = sorted(seconds)
+    cut = round(len(ordered) / 6)
+    return statistics.fmean(ordered[cut : len(ordered) - cut] or ordered)
+
+
 def verification_knots(max_tokens: int) -> tuple[int, ...]:
     """The widths the verifier is timed at: one token, two and three times every power of two,
     and `max_tokens`. Dense where a CPU's cost bends (one token takes the matrix-vector path),
     sparse where it runs nearly on a line; timing every width instead spreads the same rounds so
-    thin that on a busy machine each width's median is mostly noise."""
+    thin that on a busy machine each width's typical time is mostly noise."""
     doubled = {base << shift for base in (2, 3) for shift in range(max_tokens.bit_length())}
     return tuple(sorted({1, max_tokens} | {width for width in doubled if width <= max_tokens}))
 
@@ -135,13 +149,13 @@ def nondecreasing(values: Sequence[float]) -> list[float]:
     return [total / count for total, count in blocks for _ in range(count)]
 
 
-def verification_prices(medians: Mapping[int, float], max_tokens: int) -> tuple[float, ...]:
-    """Index k: the price of verifying k tokens (0 for none). The timed widths' medians are made
-    non-decreasing, since checking more tokens never costs less, and a noisy median that
+def verification_prices(typical: Mapping[int, float], max_tokens: int) -> tuple[float, ...]:
+    """Index k: the price of verifying k tokens (0 for none). The timed widths' typical seconds
+    are made non-decreasing, since checking more tokens never costs less, and a noisy one that
     undercuts a narrower one would otherwise price a longer proposal as cheaper; widths between
     two timed ones are priced on the line between them."""
-    knots = sorted(medians)
-    fitted = nondecreasing([medians[width] for width in knots])
+    knots = sorted(typical)
+    fitted = nondecreasing([typical[width] for width in knots])
     prices = [0.0]
     for width in range(1, max_tokens + 1):
         right = bisect.bisect_left(knots, width)
@@ -309,10 +323,10 @@ def calibrate(
     Plain's per-step overhead is what that plain decode spends beyond its forward passes, both
     timed within it (`forward_timings`), in the cost model's units (`overhead_per_step`). Read
     instead as the decode's time beyond its forward passes at their prices, it would take in the
-    gap between what a decode's many forward passes take on average and the median of short
-    timed calls, which a busy machine's long tail of slow calls opens wide: plain would be
-    priced at its average and every verification at its median, and every trial would look
-    faster than it runs.
+    gap between what a decode's many forward passes take and what a few short timed calls of
+    them take, which a busy machine opens wide: plain would be priced at its decode's average
+    and every verification at a few calls, and the gap, whatever its sign, would move every
+    trial's estimate.
     """
     timer = timer or device_timer(model.device)
     cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
@@ -393,10 +407,10 @@ def calibrate(
         "plain": plain_decode,
     }
     timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
-    seconds = {name: statistics.median(timed) for name, timed in timings.items()}
+    seconds = {name: typical_seconds(timed) for name, timed in timings.items()}
     widths = {
-        width: statistics.median(
-            timing for repeat in range(_VERIFY_TIMINGS_PER_ROUND) for timing in timings["verify", width, repeat]
+        width: typical_seconds(
+            [timing for repeat in range(_VERIFY_TIMINGS_PER_ROUND) for timing in timings["verify", width, repeat]]
         )
         for width in verifications
     }

@@ -5,6 +5,7 @@ No real clock: a timer that prices each run by its name, and a load the test swi
 
 from __future__ import annotations
 
+import statistics
 import types
 
 import optuna
@@ -16,6 +17,7 @@ from hf_selfspec.tuning.estimate import (
     interleaved_medians,
     nondecreasing,
     rescaled_overheads,
+    typical_seconds,
     verification_knots,
     verification_prices,
 )
@@ -183,12 +185,12 @@ def test_the_verifier_is_timed_densely_where_its_cost_bends_and_at_its_widest():
     assert verification_knots(1) == (1,)
 
 
-def test_a_noisy_median_never_prices_a_wider_verification_below_a_narrower_one():
+def test_a_noisy_timing_never_prices_a_wider_verification_below_a_narrower_one():
     """A burst that fell on a narrow width's timings, or spared a wide one's, must not make a
     longer proposal look cheaper than a shorter one: prices are pooled until they never fall,
     and widths between two timed ones lie on the line between them."""
-    medians = {1: 1.0, 2: 1.4, 4: 1.2, 8: 2.0, 16: 1.8}
-    prices = verification_prices(medians, 16)
+    typical = {1: 1.0, 2: 1.4, 4: 1.2, 8: 2.0, 16: 1.8}
+    prices = verification_prices(typical, 16)
     assert len(prices) == 17 and prices[0] == 0.0
     assert all(narrower <= wider for narrower, wider in zip(prices[1:], prices[2:]))
     assert prices[1] == 1.0
@@ -202,3 +204,21 @@ def test_prices_that_already_rise_are_kept_and_joined_by_lines():
     prices = verification_prices({1: 1.0, 2: 1.1, 4: 1.5}, 4)
     assert prices == pytest.approx((0.0, 1.0, 1.1, 1.3, 1.5))
     assert nondecreasing([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_a_pass_that_lands_now_on_free_cores_and_now_behind_a_neighbour_is_priced_at_their_mix():
+    """With a neighbour keeping a core busy, a forward pass takes one of two times far apart.
+    Where the slow one is a little more frequent, the median is the slow time, though a decode
+    repeating the pass pays their mix: the price is the mean of the middle, near that mix."""
+    timings = [3.0 if call % 2 == 0 else 1.0 for call in range(21)]  # 11 slow, 10 fast
+    assert statistics.median(timings) == 3.0
+    assert typical_seconds(timings) == pytest.approx(statistics.fmean(timings), rel=0.05)
+    fewer_slow = [3.0 if call % 2 else 1.0 for call in range(21)]  # 10 slow, 11 fast
+    assert statistics.median(fewer_slow) == 1.0
+    assert typical_seconds(fewer_slow) == pytest.approx(statistics.fmean(fewer_slow), rel=0.05)
+
+
+def test_a_burst_of_load_on_one_round_in_seven_leaves_the_typical_time_unbent():
+    assert typical_seconds([1.0] * 6 + [10.0]) == 1.0
+    assert typical_seconds([1.0] * 18 + [10.0] * 3) == 1.0  # three timings a round, the burst on one round
+    assert typical_seconds([2.0]) == 2.0 and typical_seconds([1.0, 3.0]) == 2.0

@@ -370,7 +370,7 @@ def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(s
 def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(sharp_llama, tmp_path):
     """Every timing costs one unit but those of a burst as long as the first round, which cost
     ten: timed one item after another, the burst would fall on the first item's every timing; in
-    rounds it falls on one timing of each, and every median is the unit. So the verifier costs
+    rounds it falls on one timing of each, and every typical time is the unit. So the verifier costs
     the same at every width, the draft nothing per sub-layer and the head nothing per row."""
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     adapter = random_adapter(sharp_llama, 1, tmp_path)
@@ -399,9 +399,9 @@ def test_calibration_times_every_price_in_rounds_so_a_burst_of_load_bends_none(s
 def test_plain_is_priced_at_its_own_step_and_the_overhead_timed_within_its_decode(sharp_llama, monkeypatch):
     """Plain's overhead per step is what a plain decode, timed in the calibration's rounds, spends
     beyond its forward passes, timed within it, read in the cost model's units. A busy machine's
-    long tail of slow calls, which the median of short timed calls drops but a long decode pays
-    (here its forward passes take 1.6 times their price), is not taken for plain's overhead:
-    plain is priced as every verification is, at the median of its step timed in the rounds, on
+    long tail of slow calls, which a few short timed calls miss but a long decode pays (here its
+    forward passes take 1.6 times their price), is not taken for plain's overhead: plain is
+    priced as every verification is, at the typical time of its step timed in the rounds, on
     the stock kernels plain decoding runs on (here 0.8 of the verifier's one-token pass)."""
     from hf_selfspec.tuning import estimate
 
