@@ -252,15 +252,13 @@ def _forward(
     start: int,
     cache: DraftAwareCache,
     logits_to_keep: int,
-    verifier_kernels: bool = True,
     **kwargs,
 ):
     """The full model's forward pass over `input_ids` from position `start`, as the decoding
-    loop verifies (`model_forward`), on the same kernels (or, not `verifier_kernels`, on plain
-    decoding's): outside autograd, as `generate` runs, whoever calls it (the cost-model watch
-    probes from an Optuna callback)."""
+    loop verifies (`model_forward`), on the same kernels: outside autograd, as `generate` runs,
+    whoever calls it (the cost-model watch probes from an Optuna callback)."""
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    with verifying(model) if verifier_kernels else contextlib.nullcontext():
+    with verifying(model):
         return model(
             input_ids=input_ids,
             position_ids=positions,
@@ -316,17 +314,25 @@ def calibrate(
 ) -> CostModel:
     """Time the verifier at a few widths (`verification_knots`, priced between them by
     `verification_prices`), the draft at a few skip sets, the LM head, each trained adapter's
-    draft and a plain decode of `sample`, after `sample`'s text, all interleaved
-    (`interleaved_timings`), so that every price is relative to the same plain step under the
-    same load.
+    draft and plain decodes of `sample` on the stock kernels and on the verifier's, after
+    `sample`'s text, all interleaved (`interleaved_timings`), so that every price is relative to
+    the same plain step under the same load.
 
-    Plain's per-step overhead is what that plain decode spends beyond its forward passes, both
-    timed within it (`forward_timings`), in the cost model's units (`overhead_per_step`). Read
-    instead as the decode's time beyond its forward passes at their prices, it would take in the
-    gap between what a decode's many forward passes take and what a few short timed calls of
-    them take, which a busy machine opens wide: plain would be priced at its decode's average
-    and every verification at a few calls, and the gap, whatever its sign, would move every
-    trial's estimate.
+    Plain's step is the verifier's one-token pass times the ratio of a plain decode's step on the
+    stock kernels to one on the verifier's, each the mean of a whole decode's steps. Every trial's
+    estimate reads plain's step against the verifications; timed as a few short calls like them,
+    on a busy machine each call lands on free cores or behind the neighbour by chance, and that
+    ratio swung from one calibration to the next where a decode's hundreds of steps hold it. The
+    ratio of two decodes' steps, not one of them, is what enters: a decode's forward passes and
+    a few short calls of them take different times on a busy machine (below).
+
+    Plain's per-step overhead is what the plain decode on the stock kernels spends beyond its
+    forward passes, both timed within it (`forward_timings`), in the cost model's units
+    (`overhead_per_step`). Read instead as the decode's time beyond its forward passes at their
+    prices, it would take in the gap between what a decode's many forward passes take and what a
+    few short timed calls of them take, which a busy machine opens wide: plain would be priced at
+    its decode's average and every verification at a few calls, and the gap, whatever its sign,
+    would move every trial's estimate.
     """
     timer = timer or device_timer(model.device)
     cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
@@ -338,19 +344,23 @@ def calibrate(
         prefill_cache.rollback(0)
         _forward(model, prompt_ids, 0, prefill_cache, 1)
 
-    plain_forwards: list[float] = []  # the seconds of its forward passes, in each timed plain decode
+    # The seconds of every forward pass in each timed plain decode: on the stock kernels, as plain
+    # decoding runs, and on the verifier's.
+    plain_forwards: list[list[float]] = []
+    verifier_forwards: list[list[float]] = []
 
-    def plain_decode() -> None:
+    def decode_plainly(kernels: Callable[[], contextlib.AbstractContextManager]) -> list[float]:
         # Stopped where plain decoding stopped, so that it decodes exactly the sample's reference.
         kwargs = {"do_sample": False, **generate_kwargs, "max_new_tokens": len(sample.reference)}
-        with forward_timings(model) as forwards:
+        with kernels(), forward_timings(model) as forwards:
             model.generate(**inputs, strategy=PLAIN, **kwargs)
-        plain_forwards.append(sum(seconds for _, seconds in forwards))
+        return [seconds for _, seconds in forwards]
 
-    def plain_forward() -> None:
-        # plain decoding's step, on the stock kernels
-        _forward(model, text[None, -1:], kv_length, cache, 1, verifier_kernels=False)
-        cache.rollback(kv_length)
+    def plain_decode() -> None:
+        plain_forwards.append(decode_plainly(contextlib.nullcontext))
+
+    def plain_decode_on_verifier_kernels() -> None:
+        verifier_forwards.append(decode_plainly(partial(verifying, model)))
 
     def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
         sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
@@ -403,8 +413,8 @@ def calibrate(
         **{("head", size): head_run(RestrictedDraftHead(model, size, text[:1])) for size in _HEAD_SIZES},
         **{path: adapter_draft(path) for path in draft_adapters},
         "prefill": prefill,
-        "plain forward": plain_forward,
         "plain": plain_decode,
+        "plain on the verifier's kernels": plain_decode_on_verifier_kernels,
     }
     timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
     seconds = {name: typical_seconds(timed) for name, timed in timings.items()}
@@ -415,10 +425,11 @@ def calibrate(
         for width in verifications
     }
     verify_seconds = verification_prices(widths, max_verify_tokens)
+    plain_forward_seconds = verify_seconds[1] * decoded_step(plain_forwards) / decoded_step(verifier_forwards)
     steps = len(sample.reference)
-    priced_plain = seconds["prefill"] + (steps - 1) * seconds["plain forward"]
+    priced_plain = seconds["prefill"] + (steps - 1) * plain_forward_seconds
     plain_step_overhead = statistics.median(
-        overhead_per_step(total - forwards, forwards, priced_plain, steps)
+        overhead_per_step(total - sum(forwards), sum(forwards), priced_plain, steps)
         for total, forwards in zip(timings["plain"], plain_forwards, strict=True)
     )
     full, one_attention, one_mlp = (seconds[name] / _CALIBRATION_TOKENS for name in ("full", "one attention", "one mlp"))
@@ -432,7 +443,7 @@ def calibrate(
         num_layers=num_layers,
         verify_seconds=verify_seconds,
         plain_step_overhead=plain_step_overhead,
-        plain_forward_seconds=seconds["plain forward"],
+        plain_forward_seconds=plain_forward_seconds,
         draft_constant=full - num_layers * (attention_seconds + mlp_seconds),
         attention_seconds=attention_seconds,
         mlp_seconds=mlp_seconds,
@@ -451,6 +462,12 @@ _LOOP_PROBE = {
     "draft_exit_threshold": 0.0,
     "backoff_probe_interval": 0,
 }
+
+
+def decoded_step(decodes: Sequence[Sequence[float]]) -> float:
+    """A one-token step's seconds in plain decodes, from the forward passes of each (its prefill
+    first): the typical of each decode's mean step."""
+    return typical_seconds([statistics.fmean(forwards[1:] or forwards) for forwards in decodes])
 
 
 def overhead_per_step(outside: float, timed_forwards: float, priced_forwards: float, steps: float) -> float:
