@@ -33,6 +33,7 @@ import bisect
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import math
 import statistics
@@ -291,11 +292,15 @@ def teacher_force(model, prompt: PreparedPrompt, max_new_tokens: int) -> Teacher
     )
 
 
-def verification_runs(model, data: TeacherForcedPrompt, widths: Sequence[int]) -> dict[int, Callable[[], Any]]:
-    """By width: one forward pass of the full model over that many tokens after `data`'s text,
-    rolled back after each, as a verification step runs it."""
+def verification_runs(
+    model, texts: Sequence[TeacherForcedPrompt], widths: Sequence[int]
+) -> dict[int, Callable[[], Any]]:
+    """By width: one forward pass of the full model over that many tokens after one of `texts`,
+    the next one at each call, rolled back after each, as a verification step runs it."""
+    turns = {tokens: itertools.cycle(texts) for tokens in widths}
 
     def verify(tokens: int) -> None:
+        data = next(turns[tokens])
         _forward(model, data.full_text[None, -tokens:], data.kv_length, data.cache, tokens)
         data.cache.rollback(data.kv_length)
 
@@ -311,12 +316,19 @@ def calibrate(
     draft_adapters: Sequence[str] = (),
     timer: Timer | None = None,
     generate_kwargs: Mapping[str, Any] = {},
+    verified_after: Sequence[TeacherForcedPrompt] = (),
 ) -> CostModel:
     """Time the verifier at a few widths (`verification_knots`, priced between them by
     `verification_prices`), the draft at a few skip sets, the LM head, each trained adapter's
     draft and plain decodes of `sample` on the stock kernels and on the verifier's, after
     `sample`'s text, all interleaved (`interleaved_timings`), so that every price is relative to
     the same plain step under the same load.
+
+    The verifier is timed after each text of `verified_after` in turn (`sample`'s alone where
+    none are given): what a pass costs grows with the text it attends to, and not alike at every
+    width, so widths timed after one long or short text alone would price the workload's
+    verifications against each other and against plain's step as its decodes, spread over
+    their own lengths, do not pay them.
 
     Plain's step is the verifier's one-token pass times the ratio of a plain decode's step on the
     stock kernels to one on the verifier's, each the mean of a whole decode's steps. Every trial's
@@ -398,7 +410,7 @@ def calibrate(
         return lambda: [head(hidden) for _ in range(_HEAD_CALLS)]
 
     all_but_first = tuple(range(1, num_layers))
-    verifications = verification_runs(model, sample, verification_knots(max_verify_tokens))
+    verifications = verification_runs(model, verified_after or (sample,), verification_knots(max_verify_tokens))
     runs: dict[Any, Callable[[], Any]] = {
         # every width once, then again, so that a width's timings within a round are apart
         **{
@@ -927,10 +939,10 @@ def estimated_objective(
     def time_cost_model() -> CostModel:
         return calibrate(
             model, prompts[0], num_layers, max_verify_tokens, search.draft_adapters.values(),
-            generate_kwargs=generate_kwargs,
+            generate_kwargs=generate_kwargs, verified_after=prompts,
         )
 
     cost = calibrate_loop(model, time_cost_model(), prompts, generate_kwargs)
     objective = EstimatedSpeedupObjective(model, prompts, cost, search, worker, category_floor)
-    probe = verification_runs(model, prompts[0], (1, max_verify_tokens))
+    probe = verification_runs(model, prompts[:1], (1, max_verify_tokens))
     return objective, CostModelWatch(objective, probe, time_cost_model, device_timer(model.device))

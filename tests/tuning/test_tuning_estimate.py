@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 
 import optuna
@@ -39,6 +40,7 @@ from hf_selfspec.tuning.estimate import (
     estimate_decode,
     plain_seconds,
     teacher_force,
+    typical_seconds,
     verification_runs,
 )
 from hf_selfspec.tuning.export import export_profile
@@ -460,6 +462,44 @@ def test_plain_is_priced_in_the_ratio_its_decodes_keep_to_the_verifiers_one_toke
     assert cost.plain_forward() == pytest.approx(1.8 * 1.2 / 0.9)
 
 
+def test_the_verifier_is_priced_over_every_text_it_is_timed_after(sharp_llama, monkeypatch):
+    """Timed after two texts, the verifier's passes take turns between them, and a width's price
+    is the typical of all its timings: here a one-token pass costs 1 after the short text and 2
+    after the long one, so the price lies between, where the short text's alone gives 1."""
+    from hf_selfspec.tuning import estimate
+
+    short, long = (teacher_force(sharp_llama, _prepared(sharp_llama, length, seed=3), NEW_TOKENS) for length in (11, 17))
+    after: list[int] = []  # the length of text the run's forward passes ran after
+    one_token: list[float] = []  # every one-token verification's timing
+    forward = estimate._forward
+
+    def recording_forward(model, input_ids, start, *args, **kwargs):
+        after.append(start)
+        return forward(model, input_ids, start, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def forward_timings(model):
+        yield [(short.prompt_length, 0.5), *((1, 1.0),) * (len(short.reference) - 1)]
+
+    def timer(run):
+        after.clear()
+        run()
+        width = run.args[0] if isinstance(run, functools.partial) else None
+        if width != 1:
+            return 3.0 if width else 1.0
+        one_token.append(2.0 if after == [long.kv_length] else 1.0)
+        return one_token[-1]
+
+    monkeypatch.setattr(estimate, "_forward", recording_forward)
+    monkeypatch.setattr(estimate, "forward_timings", forward_timings)
+    assert calibrate(sharp_llama, short, NUM_LAYERS, 4, timer=timer).verify(1) == 1.0
+    one_token.clear()
+    cost = calibrate(sharp_llama, short, NUM_LAYERS, 4, timer=timer, verified_after=[short, long])
+    assert abs(one_token.count(1.0) - one_token.count(2.0)) <= 1 and len(set(one_token)) == 2
+    assert cost.verify(1) == pytest.approx(typical_seconds(one_token))
+    assert 1.0 < cost.verify(1) < 2.0
+
+
 def _scripted_loop_decode(monkeypatch, data: TeacherForcedPrompt, forwards, draft: float, outside: float, load: list):
     """Has `calibrate_loop`'s probe decode of `data` take the forward passes `forwards`
     (`(width, idle seconds)`), `draft` idle seconds of drafting and `outside` idle seconds of the
@@ -535,7 +575,7 @@ def test_the_probe_verifies_outside_autograd_as_decoding_does(sharp_llama):
     keep the last one's memory alive, and it would run on other kernels than decoding's."""
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     assert torch.is_grad_enabled() and any(parameter.requires_grad for parameter in sharp_llama.parameters())
-    for run in verification_runs(sharp_llama, data, (1, 4)).values():
+    for run in verification_runs(sharp_llama, [data], (1, 4)).values():
         run()
     assert not any(layer.keys.requires_grad or layer.values.requires_grad for layer in data.cache.layers)
 
