@@ -71,6 +71,8 @@ class StudySettings:
     # trial), then measure the `confirm_top` best for real in the measured study of the config.
     objective: str = "measured"
     confirm_top: int = 3
+    # How many times confirmation decodes each prompt, plainly and by each confirmed trial.
+    confirm_rounds: int = 1
     # A trial whose speedup in any category of its prompts is below this is infeasible.
     category_floor: float | None = None
 
@@ -287,6 +289,7 @@ def _study(reader: TomlReader) -> StudySettings:
         grace_period=reader.at_least(table, "study", "grace_period", 1, defaults.grace_period),
         objective=reader.choice(table, "study", "objective", OBJECTIVES, defaults.objective),
         confirm_top=reader.at_least(table, "study", "confirm_top", 0, defaults.confirm_top),
+        confirm_rounds=reader.at_least(table, "study", "confirm_rounds", 1, defaults.confirm_rounds),
         category_floor=reader.get(table, "study", "category_floor", (int, float), None),
     )
     if settings.category_floor is not None and settings.category_floor <= 0:

@@ -4,8 +4,8 @@ For every prompt the trial runs plain `generate` (`strategy="plain"`) and the ca
 back, alternating which goes first, so drift in clock speed, thermal state or a neighbour's load
 hits both alike and cancels in the ratio of their seconds per generated token, taken per
 category of the prompts; over several categories the trial's value is the geometric mean of
-those ratios (`categories`). Trials confirmed together (`measure_side_by_side`) share one plain
-decode of each prompt, the order rotating over all of them. Every candidate's tokens are
+those ratios (`categories`). Trials confirmed together (`measure_side_by_side`) share the plain
+decodes of each prompt, the order rotating over all of them. Every candidate's tokens are
 compared with plain greedy decoding's: the strategies are lossless by design, so a difference
 is a bug, and the trial fails loudly instead of reporting a speed that was bought with wrong
 output.
@@ -25,6 +25,7 @@ from hf_selfspec.consistency import NEAR_TIE, Consistency, check_greedy_consiste
 from hf_selfspec.measure import TimedRun, timed_generate
 from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import Prompt, encode_prompt
+from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import PLAIN
 
 from .categories import CategorySpeedups, alternating_order, rotation_offsets
@@ -124,7 +125,7 @@ class SpeedupObjective:
         trial.set_user_attr("near_tie_prompts", near_ties)
         for step, (prompt, candidate_first) in enumerate(zip(self.prompts, self.candidate_first, strict=True)):
             baseline, candidate = self._measure(prompt, params, candidate_first)
-            self._score(trial, params, totals, near_ties, prompt, baseline, candidate)
+            self._score(trial, params, totals, near_ties, prompt, [baseline], [candidate])
             trial.report(totals.value, step)
             if trial.should_prune():
                 totals.record(trial)
@@ -135,15 +136,21 @@ class SpeedupObjective:
         return totals.value
 
     def measure_side_by_side(
-        self, trials: Sequence[optuna.trial.BaseTrial], on_prompt: Callable[[], None] = lambda: None
+        self,
+        trials: Sequence[optuna.trial.BaseTrial],
+        on_prompt: Callable[[], None] = lambda: None,
+        rounds: int = 1,
     ) -> list[float | LosslessViolation]:
         """Measure fixed trials (an estimated study's best, to confirm) together: each prompt is
-        decoded plainly once and by every trial, in an order rotated from prompt to prompt.
+        decoded plainly and by every trial, `rounds` times over, in an order rotated from prompt
+        to prompt and from round to round.
 
-        k trials then cost k + 1 decodes of a prompt instead of 2k, and all of them are compared
-        with the same plain decodes, so load that comes and goes cannot favour one over another.
-        A trial whose output leaves plain greedy decoding's is decoded no further; its entry is
-        the `LosslessViolation`. `on_prompt` is called after each prompt, for a progress bar.
+        k trials then cost k + 1 decodes of a prompt a round instead of 2k, and all of them are
+        compared with the same plain decodes, so load that comes and goes cannot favour one over
+        another. More rounds weigh one decode that a neighbour's burst slowed less: with one prompt
+        a category, a single decode is the category's whole measurement. A trial whose output
+        leaves plain greedy decoding's is decoded no further; its entry is the
+        `LosslessViolation`. `on_prompt` is called after each prompt, for a progress bar.
         """
         params = [begin_trial(trial, self.search, self.num_layers, self.worker) for trial in trials]
         totals = [CategorySpeedups([prompt.category for prompt in self.prompts]) for _ in trials]
@@ -155,10 +162,11 @@ class SpeedupObjective:
         for prompt, offset in zip(self.prompts, offsets, strict=True):
             live = [index for index in range(len(trials)) if index not in violations]
             order: list[int | None] = [None, *live]  # None: the plain decode
-            shift = offset % len(order)
-            runs: dict[int | None, TimedRun] = {}
-            for index in order[shift:] + order[:shift]:
-                runs[index] = self._decode(prompt, None if index is None else params[index])
+            runs: dict[int | None, list[TimedRun]] = {index: [] for index in order}
+            for round_ in range(rounds):
+                shift = (offset + round_) % len(order)
+                for index in order[shift:] + order[:shift]:
+                    runs[index].append(self._decode(prompt, None if index is None else params[index]))
             for index in live:
                 try:
                     self._score(
@@ -199,24 +207,24 @@ class SpeedupObjective:
         totals: CategorySpeedups,
         near_ties: list[str],
         prompt: PreparedPrompt,
-        baseline: TimedRun,
-        candidate: TimedRun,
+        baselines: Sequence[TimedRun],
+        candidates: Sequence[TimedRun],
     ) -> None:
-        """Add one prompt's decodes to the trial's totals; a `LosslessViolation` (the totals so
-        far recorded on the trial) if the candidate's tokens are not plain greedy's."""
-        totals.add(
-            prompt.category, (baseline.seconds, len(baseline.new_tokens)),
-            (candidate.seconds, len(candidate.new_tokens)), candidate.stats,
-        )  # fmt: skip
-        consistency = check_greedy_consistency(
-            candidate.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
-        )
-        if not consistency.consistent:
-            totals.record(trial)
-            raise self._violation(trial, prompt, candidate.new_tokens, params, consistency)
-        if consistency.verdict == NEAR_TIE:
-            near_ties.append(prompt.id)
-            trial.set_user_attr("near_tie_prompts", near_ties)
+        """Add one prompt's decodes, plain's and the candidate's over every round, to the trial's
+        totals; a `LosslessViolation` (the totals so far recorded on the trial) if any of the
+        candidate's decodes is not plain greedy's tokens."""
+        (baseline, _), (candidate, stats) = _pooled(baselines), _pooled(candidates)
+        totals.add(prompt.category, baseline, candidate, stats)
+        for run in candidates:
+            consistency = check_greedy_consistency(
+                run.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
+            )
+            if not consistency.consistent:
+                totals.record(trial)
+                raise self._violation(trial, prompt, run.new_tokens, params, consistency)
+            if consistency.verdict == NEAR_TIE and prompt.id not in near_ties:
+                near_ties.append(prompt.id)
+                trial.set_user_attr("near_tie_prompts", near_ties)
 
     def _violation(
         self,
@@ -243,3 +251,14 @@ class SpeedupObjective:
             "lossless_violation", {"prompt": prompt.id, "position": position, "expected": expected, "actual": actual}
         )
         return LosslessViolation(message)
+
+
+def _pooled(runs: Sequence[TimedRun]) -> tuple[tuple[float, int], StrategyStats | None]:
+    """Decodes of one prompt as one: (their seconds, their generated tokens) and their draft
+    counters summed (None for plain decodes, which keep none)."""
+    pooled = None
+    for run in runs:
+        if run.stats is not None:
+            pooled = pooled or StrategyStats()
+            pooled.add(run.stats)
+    return (sum(run.seconds for run in runs), sum(len(run.new_tokens) for run in runs)), pooled

@@ -54,7 +54,9 @@ QUICKSTART_CONFIG = StudyConfig(
         },
         lookup_corpus=str(_SHIPPED / "own-general.safetensors"),
     ),
-    study=StudySettings(name="quickstart", objective="estimated", confirm_top=2),
+    # One prompt a category: each decoded twice in confirmation, so one decode a neighbour slowed
+    # is not a category's whole measurement.
+    study=StudySettings(name="quickstart", objective="estimated", confirm_top=2, confirm_rounds=2),
 )
 DEMO_NEW_TOKENS = 64
 DEMO_REPEATS = 3

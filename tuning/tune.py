@@ -308,7 +308,7 @@ def confirm_estimates(
     stretch. The prices now are the ones timed nearest the confirmation, so they are the ones its
     measurement can be compared with.
 
-    They are decoded side by side, beside one plain decode of each prompt
+    They are decoded side by side, beside plain decodes of each prompt, `confirm_rounds` of each
     (`SpeedupObjective.measure_side_by_side`), and each is added to the measured study only once
     measured whole, so a killed run leaves nothing half-done and the next run measures what is
     missing. A trial with the same parameters already there is not measured again. Each remembers
@@ -336,7 +336,7 @@ def confirm_estimates(
     fixed = [optuna.trial.FixedTrial(trial.params) for trial, _ in pending]
     disable = None if show_progress else True  # None: no bar where stderr is not a terminal
     with tqdm(total=len(measuring.prompts), unit="prompt", desc="confirming", disable=disable) as bar:
-        outcomes = measuring.measure_side_by_side(fixed, lambda: bar.update(1))
+        outcomes = measuring.measure_side_by_side(fixed, lambda: bar.update(1), config.study.confirm_rounds)
     progress = _Progress(len(pending), show_progress)
     for (estimate, value), trial, outcome in zip(pending, fixed, outcomes, strict=True):
         failed = isinstance(outcome, LosslessViolation)

@@ -171,7 +171,7 @@ class ScriptedConfirmation:
         self.num_layers, self.speedup, self.killed = num_layers, speedup, killed
         self.measured: list[dict] = []  # the parameters of each trial measured
 
-    def measure_side_by_side(self, trials, on_prompt):
+    def measure_side_by_side(self, trials, on_prompt, rounds):
         if self.killed:
             raise KeyboardInterrupt
         for trial in trials:

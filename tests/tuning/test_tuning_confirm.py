@@ -81,6 +81,42 @@ def test_trials_measured_side_by_side_share_one_plain_decode_of_each_prompt(monk
     assert trials[1].user_attrs["lossless_violation"]["prompt"] == "b1"
 
 
+def test_each_round_decodes_every_contender_again_in_the_next_order_and_pools_the_seconds(monkeypatch):
+    """Two rounds: a1's first plain decode is slowed to 6 s by a burst, every other plain decode
+    takes 2 s and every draft8 decode 1 s, so A's speedup is (6 + 2) / (1 + 1), the burst weighed
+    against a second decode, and B's 2. draft4 matches plain on its first decode of a1 and leaves
+    it on its second: every decode is checked, and it is decoded no further."""
+    calls: list[tuple[str, str]] = []
+
+    def scripted(model, inputs, strategy=None, **kwargs):
+        who = "plain" if strategy == "plain" else f"draft{kwargs['max_draft_tokens']}"
+        calls.append((inputs["prompt_id"], who))
+        if who == "plain":
+            return TimedRun(TOKENS, 6.0 if calls == [("a1", "plain")] else 2.0, None)
+        if who == "draft4":
+            second = calls.count(("a1", "draft4")) == 2
+            return TimedRun([1, 9, 3] if second else TOKENS, 1.0, StrategyStats(drafted_tokens=4, accepted_tokens=1))
+        return TimedRun(TOKENS, 1.0, StrategyStats(drafted_tokens=4, accepted_tokens=3))
+
+    monkeypatch.setattr("hf_selfspec.tuning.objective.timed_generate", scripted)
+    prompts = [_prompt("a1", "A"), _prompt("b1", "B")]
+    objective = SpeedupObjective(SimpleNamespace(dtype=torch.float32), prompts, SearchConfig(), NUM_LAYERS, {}, "t")
+    trials = _trials()
+    seen: list[int] = []
+    outcomes = objective.measure_side_by_side(trials, lambda: seen.append(len(calls)), rounds=2)
+
+    assert seen == [6, 10]  # after each prompt, every round of it done
+    assert [who for prompt_id, who in calls if prompt_id == "a1"] == [
+        "plain", "draft8", "draft4", "draft8", "draft4", "plain"
+    ]  # the second round rotated one place on
+    assert [who for prompt_id, who in calls if prompt_id == "b1"] == ["draft8", "plain", "plain", "draft8"]
+    assert outcomes[0] == pytest.approx((4.0 * 2.0) ** 0.5)
+    assert trials[0].user_attrs["category_speedups"] == pytest.approx({"A": 4.0, "B": 2.0})
+    assert trials[0].user_attrs["category_prompts"] == {"A": 1, "B": 1}  # prompts, not decodes
+    assert trials[0].user_attrs["acceptance_rate"] == pytest.approx(0.75)
+    assert isinstance(outcomes[1], LosslessViolation) and "prompt a1 at new token 1" in str(outcomes[1])
+
+
 def _context(model_dir) -> StudyContext:
     return StudyContext(
         model=str(model_dir), gguf_file=None, dtype="float32", device_key="cpu/float32",

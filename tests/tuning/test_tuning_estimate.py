@@ -681,6 +681,7 @@ def test_attention_a_hand_built_mask_cannot_express_is_refused_with_the_reason()
     [
         ('objective = "fastest"', "study.objective: must be one of measured, estimated"),
         ("confirm_top = -1", "study.confirm_top: must be at least 0"),
+        ("confirm_rounds = 0", "study.confirm_rounds: must be at least 1"),
     ],
 )
 def test_bad_objective_settings_name_the_key(tmp_path, tiny_llama_dir, line, message):
@@ -697,7 +698,7 @@ def test_estimated_study_confirms_its_best_trials_by_real_decoding(tmp_path, tin
         storage,
         strategy="target_confidence_gated",
         max_new_tokens=10,
-        study='objective = "estimated"\nconfirm_top = 2',
+        study='objective = "estimated"\nconfirm_top = 2\nconfirm_rounds = 2',
     )
     outcome = run_tune(load_study_config(path), n_trials=6, show_progress=False)
 
