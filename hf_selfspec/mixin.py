@@ -8,7 +8,9 @@ transformers prepares (the processors from the config, `stop_strings` with the t
 Everything a call decides (its strategy, parameters, streamer) travels in that callable, and the
 draft runs the model's layers itself with per-call state, so nothing is set on the model or
 patched into it for the length of a call: one model serves concurrent calls from many threads,
-plain and speculative alike.
+plain and speculative alike. The one thing that stays is the verifier's choice of kernel
+(`narrow_linear`): its first use gives the model's linear layers a forward that takes the faster
+kernel only inside a verification, and `narrow_linear.uninstall(model)` takes it off.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollback_capable
 from .decoding import speculative_decode
 from .layer_skip import decoder_layers
+from .narrow_linear import stock_kernels, verifying
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
 from .profile_files import anchor_profile_files
 from .profiles import TunedProfile, profile_for_model
@@ -201,7 +204,16 @@ def generate_with_strategy(
 ):
     """`plain_generate(*args, **kwargs)` (transformers' `generate` bound to `model`), under a
     strategy where the call or a profile asks for one. `lent_profiles`: profiles to use where the
-    model's generation config has none, and the directory their file names are relative to."""
+    model's generation config has none, and the directory their file names are relative to.
+
+    `narrow_kernels` (a keyword of the call) chooses the kernel of the forward passes' few-row
+    products: True, the fastest on this machine (`narrow_linear`), also for plain decoding and
+    transformers' own prompt lookup; False, the stock kernel, also inside our verifications;
+    None (the default), the fastest inside our loop and the stock one elsewhere."""
+    narrow = _narrow_kernels(kwargs)
+    if narrow is not None and kwargs.get("custom_generate") is None:
+        with verifying(model) if narrow else stock_kernels():
+            return generate_with_strategy(model, plain_generate, args, kwargs, strategy, lent_profiles)
     if kwargs.get("custom_generate") is not None:
         # Another decoding loop takes over (a packaged hf-selfspec one among them); it gets our
         # keywords as given.
@@ -219,6 +231,17 @@ def generate_with_strategy(
     # the streamer, to which it has already given the prompt: the loop gets it here.
     loop = functools.partial(_speculative_sample, plan=plan, streamer=kwargs.get("streamer"))
     return output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device)
+
+
+def _narrow_kernels(kwargs: dict[str, Any]) -> bool | None:
+    """The call's `narrow_kernels`, taken out of its keywords (transformers would refuse it); a
+    call that runs another decoding loop keeps it, for that loop to read."""
+    if kwargs.get("custom_generate") is not None or "narrow_kernels" not in kwargs:
+        return None
+    narrow = kwargs.pop("narrow_kernels")
+    if narrow is not None and not isinstance(narrow, bool):
+        raise ValueError(f"narrow_kernels must be True, False or None, got {narrow!r}")
+    return narrow
 
 
 def _stop_strings_as_criterion(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -17,8 +17,10 @@ number of rows and of threads, so it is timed on this machine, once per shape, b
 thread count, the first time a verification meets them (or all at once, `choose_layouts`).
 
 Only what runs inside `verifying` changes, and only on the CPU, without autograd, for the plain
-`torch.nn.Linear` layers of the model: plain decoding, a prefill outside the loop, training and
-every other caller keep the stock kernel. The kernels sum in different orders, as the stock
+`torch.nn.Linear` layers of the model: a prefill outside the loop, training and every other
+caller keep the stock kernel, and plain decoding does too unless its caller asks
+(`generate(..., narrow_kernels=True)`). Inside `stock_kernels` even a verification keeps the
+stock kernel, so that a draft's share of a speed-up can be told from the kernel's. The kernels sum in different orders, as the stock
 kernel already does at a different number of rows, so the verifier's logits may differ from
 plain decoding's in their last bits, never in more.
 
@@ -71,6 +73,8 @@ _FASTEST: dict[tuple[int, torch.dtype, int, int, int, bool], str] = {}
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[weakref.ref, int, torch.Tensor | None]] = (
     weakref.WeakKeyDictionary()
 )
+# Inside `stock_kernels`: `verifying` leaves every product on the stock kernel
+_STOCK_ONLY: ContextVar[bool] = ContextVar("hf_selfspec_stock_only", default=False)
 _TIMING_LOCK = threading.Lock()
 _INSTALL_LOCK = threading.Lock()
 
@@ -202,7 +206,11 @@ def available_memory() -> int | None:
 def install(model: nn.Module) -> None:
     """Give `model`'s plain `nn.Linear` layers the choice of kernel inside `verifying`. Layers of
     a subclass (quantised ones) and layers whose forward another library already wraps
-    (accelerate's offloading hooks) are left as they are."""
+    (accelerate's offloading hooks) are left as they are.
+
+    The forward stays on the layers after the call that installed it, so that later calls do not
+    pay for installing it again; outside `verifying` it is the stock forward. `uninstall` takes
+    it off."""
     if getattr(model, "_hf_selfspec_narrow_linear", False):
         return
     with _INSTALL_LOCK:
@@ -220,6 +228,23 @@ def install(model: nn.Module) -> None:
         model._hf_selfspec_narrow_linear = True
 
 
+def _installed_layers(model: nn.Module) -> Iterator[nn.Linear]:
+    for module in model.modules():
+        if module.__dict__.get("forward") is not None and getattr(module.forward, "__func__", None) is _forward:
+            yield module
+
+
+def uninstall(model: nn.Module) -> None:
+    """Give `model`'s layers back their stock forward and drop their packed copies: the model is
+    then as it was before its first verification (a later one installs the choice again)."""
+    with _INSTALL_LOCK:
+        for layer in list(_installed_layers(model)):
+            del layer.forward
+            del layer._hf_selfspec_packable
+            _PACKED.pop(layer, None)
+        model.__dict__.pop("_hf_selfspec_narrow_linear", None)
+
+
 def choose_layouts(model: nn.Module) -> None:
     """Time now, for every row band, the kernel of each weight shape among `model`'s layers that
     a verification would time the first time it met them, and pack the layers that chose a
@@ -234,17 +259,20 @@ def choose_layouts(model: nn.Module) -> None:
     for another computation."""
     install(model)
     with torch.no_grad():
-        for module in model.modules():
-            if module.__dict__.get("forward") is not None and getattr(module.forward, "__func__", None) is _forward:
-                if module.weight.device.type == "cpu":
-                    chosen = [fastest_layout(module.weight, band, module._hf_selfspec_packable) for band in ROW_BANDS]
-                    if PACKED in chosen:
-                        _packed_weight(module)
+        for module in _installed_layers(model):
+            if module.weight.device.type == "cpu":
+                chosen = [fastest_layout(module.weight, band, module._hf_selfspec_packable) for band in ROW_BANDS]
+                if PACKED in chosen:
+                    _packed_weight(module)
 
 
 @contextmanager
 def verifying(model: nn.Module) -> Iterator[None]:
-    """Run `model`'s forward passes in this block on the faster kernel for their rows."""
+    """Run `model`'s forward passes in this block on the faster kernel for their rows (on the
+    stock one inside `stock_kernels`)."""
+    if _STOCK_ONLY.get():
+        yield
+        return
     if isinstance(model, nn.Module):
         install(model)
     token = _VERIFYING.set({})
@@ -252,3 +280,13 @@ def verifying(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         _VERIFYING.reset(token)
+
+
+@contextmanager
+def stock_kernels() -> Iterator[None]:
+    """Keep every product in this block on the stock kernel, verifications included."""
+    token = _STOCK_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _STOCK_ONLY.reset(token)

@@ -376,12 +376,15 @@ def _held_out(request: OptimizeRequest) -> str:
 
 
 def _confirm(run: _Run) -> dict[str, Any]:
-    """Decode plain, transformers' prompt lookup and the best measured trials, interleaved, on the
-    held-out prompts (as many per category as the budget pays for), greedily and checked."""
+    """Decode plain, transformers' prompt lookup (as transformers runs it and on our kernels) and
+    the best measured trials, interleaved, on the held-out prompts (as many per category as the
+    budget pays for), greedily and checked."""
     import optuna
     from optuna.trial import TrialState
 
-    from hf_selfspec.bench.contenders import BASELINE, HF_SELFSPEC, PROMPT_LOOKUP, TUNED, Contender, build_contenders
+    from hf_selfspec.bench.contenders import (
+        BASELINE, HF_SELFSPEC, PROMPT_LOOKUP, PROMPT_LOOKUP_OUR_KERNELS, TUNED, Contender, build_contenders,
+    )
     from hf_selfspec.bench.machine import machine_info
     from hf_selfspec.bench.report import results_document
     from hf_selfspec.bench.runner import measure
@@ -401,14 +404,15 @@ def _confirm(run: _Run) -> dict[str, Any]:
     groups = prompts_by_category(load_prompts(_held_out(run.request), split=HELD_OUT_SPLIT))
     max_new_tokens = config.prompts.max_new_tokens
     measured = run.stages["measure"]
+    transformers_own = (BASELINE, PROMPT_LOOKUP, PROMPT_LOOKUP_OUR_KERNELS)
     # Per prompt: a reference decode, and a warm-up plus one timed decode of each contender.
-    per_prompt = (1 + 2 * (2 + len(trials))) * max_new_tokens * measured["seconds_per_token"]
+    per_prompt = (1 + 2 * (len(transformers_own) + len(trials))) * max_new_tokens * measured["seconds_per_token"]
     per_category = max(1, min(_MAX_CONFIRM_PER_CATEGORY, int(run.share("confirm") / (per_prompt * len(groups)))))
     prompts = [prompt for group in groups.values() for prompt in group[:per_category]]
     print(f"     {len(prompts)} held-out prompts ({per_category} per category), {len(trials)} trial(s)", flush=True)
 
     model, tokenizer = run.request.model.load()
-    contenders = [c for c in build_contenders(model, available_strategies()) if c.name in (BASELINE, PROMPT_LOOKUP)]
+    contenders = [c for c in build_contenders(model, available_strategies()) if c.name in transformers_own]
     for trial in trials:
         params = decode_params(trial.params, config.search.strategy, measured["num_layers"])
         if ADAPTER_PARAM in trial.params:
@@ -431,13 +435,15 @@ def _confirm(run: _Run) -> dict[str, Any]:
 
 
 def _table_rows(results: dict[str, Any], winner: str) -> list[dict[str, Any]]:
-    """Per category, then overall: the speedups of lookup and of the winner, and their ratio."""
+    """Per category, then overall: the speedups of lookup and of the winner, their ratio, and
+    the ratio with lookup on our kernels too."""
     from hf_selfspec.bench.contenders import PROMPT_LOOKUP
 
     def row(label: str, summaries: dict[str, Any]) -> dict[str, Any]:
         return {"label": label, "lookup": summaries[PROMPT_LOOKUP]["speedup"]["median"],
                 "profile": summaries[winner]["speedup"]["median"],
-                "ratio_to_lookup": summaries[winner]["ratio_to_lookup"]["median"]}
+                "ratio_to_lookup": summaries[winner]["ratio_to_lookup"]["median"],
+                "ratio_to_lookup_equal_kernels": summaries[winner]["ratio_to_lookup_equal_kernels"]["median"]}
 
     rows = [row(name, block["contenders"]) for name, block in results["categories"].items()]
     return rows + [row("overall", {c["name"]: c for c in results["contenders"]})]
@@ -456,8 +462,14 @@ def format_table(confirm: dict[str, Any], export: dict[str, Any]) -> str:
     lines = [
         f"Profile in {export['config']} ({export['strategy']}, trial {export['trial']}), held-out prompts, "
         "speedup over plain greedy decoding:",
-        f"{'':<14}{'lookup':>10}{'profile':>10}{'vs lookup':>11}",
+        f"{'':<14}{'lookup':>10}{'profile':>10}{'vs lookup':>11}{'vs lookup, equal kernels':>26}",
     ]
     for row in confirm["results"]:
-        lines.append(f"{row['label']:<14}{row['lookup']:>9.2f}x{row['profile']:>9.2f}x{row['ratio_to_lookup']:>10.2f}x")
+        # a confirmation resumed from a run before lookup ran on our kernels has no such ratio
+        equal = row.get("ratio_to_lookup_equal_kernels")
+        lines.append(
+            f"{row['label']:<14}{row['lookup']:>9.2f}x{row['profile']:>9.2f}x{row['ratio_to_lookup']:>10.2f}x"
+            + (f"{equal:>25.2f}x" if equal is not None else f"{'-':>26}")
+        )
+    lines.append("equal kernels: transformers' lookup with its forward passes on the kernels our loop takes")
     return "\n".join(lines)

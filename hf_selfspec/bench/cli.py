@@ -318,12 +318,14 @@ def _load_assistant(path: str, tokenizer, device: str, dtype):
 
 def select_contenders(contenders: list, names: str | None) -> list:
     """The baseline, the packaged profile (there only when `--custom-generate` asked for it) and
-    the named contenders, in the bench's own order; every contender when `names` is None.
+    the named contenders, in the bench's own order; every contender when `names` is None. The
+    baseline and each named contender bring their twin on our kernels, where they have one, so
+    that every ratio has its equal-kernel counterpart beside it.
 
     `tuned` names whichever strategy the tuned profile runs: the one contender a user comparing
     "the default" with transformers' options means, whose strategy name they would otherwise
     have to read out of the profile."""
-    from .contenders import BASELINE, CUSTOM_GENERATE, TUNED
+    from .contenders import BASELINE, CUSTOM_GENERATE, OUR_KERNELS, PLAIN_OUR_KERNELS, TUNED
 
     if names is None:
         return contenders
@@ -343,7 +345,9 @@ def select_contenders(contenders: list, names: str | None) -> list:
             f"--contenders {names}: unknown {', '.join(unknown) or 'empty list'}; "
             f"choose from {', '.join(sorted(known - {BASELINE}) + ([TUNED] if tuned else []))}"
         )
-    return [contender for contender in contenders if contender.name in wanted | {BASELINE, CUSTOM_GENERATE}]
+    kept = wanted | {BASELINE, PLAIN_OUR_KERNELS, CUSTOM_GENERATE}
+    kept |= {f"{name}{OUR_KERNELS}" for name in wanted}
+    return [contender for contender in contenders if contender.name in kept]
 
 
 def run(args: argparse.Namespace) -> int:

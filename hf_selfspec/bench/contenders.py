@@ -26,6 +26,12 @@ HF_SELFSPEC = "hf_selfspec"  # the family of our own strategies
 GATED_STRATEGY = "target_confidence_gated"
 CUSTOM_GENERATE = "custom_generate"
 PROMPT_LOOKUP_TOKENS = 10
+# A transformers contender run again with its forward passes on the kernels our loop takes
+# (`generate(narrow_kernels=True)`): beside it, a ratio tells what the draft earns from what the
+# kernel does. Named `<contender><OUR_KERNELS>`.
+OUR_KERNELS = "+our_kernels"
+PLAIN_OUR_KERNELS = f"{PLAIN}{OUR_KERNELS}"
+PROMPT_LOOKUP_OUR_KERNELS = f"{PROMPT_LOOKUP}{OUR_KERNELS}"
 
 # Where a contender's decoding knobs come from, shown in the table's "params" column.
 TUNED = "tuned"
@@ -47,6 +53,13 @@ class Contender:
     family: str
     params_label: str
     lossless: bool = True
+
+    @property
+    def takes_our_kernels(self) -> bool:
+        """Whether its forward passes run on the kernels `narrow_linear` chooses: our loop's do
+        unless told otherwise, transformers' only when told."""
+        narrow = self.generate_kwargs.get("narrow_kernels")
+        return narrow if narrow is not None else self.family == HF_SELFSPEC
 
     def describe(self) -> dict[str, Any]:
         """A JSON-safe description; a draft model is recorded by its path, not serialised."""
@@ -138,14 +151,18 @@ def build_contenders(
             "generation config has one"
         )
     plain = {"strategy": PLAIN, "do_sample": False}
+    lookup = {**plain, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
+    our_kernels = {"narrow_kernels": True}
     exit_layer = _num_layers(model) // 2
     contenders = [
         Contender(BASELINE, plain, family="baseline", params_label=PLAIN),
+        Contender(PLAIN_OUR_KERNELS, {**plain, **our_kernels}, family="transformers", params_label="our kernels"),
+        Contender(PROMPT_LOOKUP, lookup, family="transformers", params_label=f"{PROMPT_LOOKUP_TOKENS} tokens"),
         Contender(
-            PROMPT_LOOKUP,
-            {**plain, "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
+            PROMPT_LOOKUP_OUR_KERNELS,
+            {**lookup, **our_kernels},
             family="transformers",
-            params_label=f"{PROMPT_LOOKUP_TOKENS} tokens",
+            params_label=f"{PROMPT_LOOKUP_TOKENS} tokens, our kernels",
         ),
         Contender(
             "early_exit",

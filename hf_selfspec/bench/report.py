@@ -11,7 +11,9 @@ seconds would credit it for the tokens it did not write. Where the tokens are id
 two costs give the same ratio.
 
 The ratio to transformers' prompt lookup pairs the same way, with lookup in the baseline's place:
-it is the figure ours must beat, since lookup comes free with transformers.
+it is the figure ours must beat, since lookup comes free with transformers. Each ratio has an
+equal-kernel counterpart where plain decoding or lookup also ran on our kernels: the speed-up a
+draft earns, with the kernel's share taken out.
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ from typing import Any, Mapping, Sequence
 
 from ..consistency import DIVERGENT, IDENTICAL, NEAR_TIE, Consistency, check_greedy_consistency, tolerance_for
 from ..stats import StrategyStats, geometric_mean
-from .contenders import BASELINE, PROMPT_LOOKUP
+from .contenders import BASELINE, PLAIN_OUR_KERNELS, PROMPT_LOOKUP, PROMPT_LOOKUP_OUR_KERNELS
 from .runner import Measurements
 
 FORMAT = "hf-selfspec-bench/2"
+# Each ratio of `summarize`, and the contender in the baseline's place
+RATIOS = {
+    "speedup": BASELINE,
+    "speedup_equal_kernels": PLAIN_OUR_KERNELS,
+    "ratio_to_lookup": PROMPT_LOOKUP,
+    "ratio_to_lookup_equal_kernels": PROMPT_LOOKUP_OUR_KERNELS,
+}
 UNCATEGORIZED = "uncategorized"
 # What a speedup divides (see the module docstring), named in `settings.speedup_metric`.
 SECONDS_PER_TOKEN = "seconds_per_token"
@@ -130,8 +139,8 @@ def _paired_ratio(
 
 
 def summarize(measurements: Measurements, name: str, prompt_indices: Sequence[int]) -> dict[str, Any]:
-    """Every aggregate figure for one contender over a subset of the prompts; `ratio_to_lookup`
-    is None when transformers' prompt lookup did not run."""
+    """Every aggregate figure for one contender over a subset of the prompts; a ratio is None
+    where the contender in the baseline's place (`RATIOS`) did not run."""
     repeats = range(measurements.repeats)
     runs = measurements.runs[name]
     seconds, new_tokens = _totals(measurements, name, prompt_indices)
@@ -139,11 +148,13 @@ def summarize(measurements: Measurements, name: str, prompt_indices: Sequence[in
     consistency = _consistency_summary(
         [(measurements.prompts[i].id, prompt_consistency(measurements, name, i)) for i in prompt_indices]
     )
-    lookup_ran = PROMPT_LOOKUP in measurements.runs
+    ratios = {
+        figure: _paired_ratio(measurements, reference, name, prompt_indices) if reference in measurements.runs else None
+        for figure, reference in RATIOS.items()
+    }
     return {
         "tokens_per_second": spread([tokens / secs for tokens, secs in zip(new_tokens, seconds, strict=True)]),
-        "speedup": _paired_ratio(measurements, BASELINE, name, prompt_indices),
-        "ratio_to_lookup": _paired_ratio(measurements, PROMPT_LOOKUP, name, prompt_indices) if lookup_ran else None,
+        **ratios,
         "seconds_per_repeat": seconds,
         "new_tokens_per_repeat": new_tokens,
         **_acceptance(stats),
@@ -153,18 +164,14 @@ def summarize(measurements: Measurements, name: str, prompt_indices: Sequence[in
 
 
 def _category_geomeans(by_category: Mapping[str, dict[str, Any]]) -> dict[str, float | None]:
-    """Geometric means over categories of one contender's median speedup and median ratio to
-    lookup; None where there are no categories, or no lookup."""
-    medians = {category: summary["speedup"]["median"] for category, summary in by_category.items()}
-    lookup_medians = {
-        category: summary["ratio_to_lookup"]["median"]
-        for category, summary in by_category.items()
-        if summary["ratio_to_lookup"] is not None
-    }
-    return {
-        "category_geomean_speedup": geometric_mean(medians.values()) if medians else None,
-        "category_geomean_ratio_to_lookup": geometric_mean(lookup_medians.values()) if lookup_medians else None,
-    }
+    """Geometric means over categories of each of one contender's median ratios
+    (`category_geomean_<ratio>`); None where there are no categories, or the ratio's reference
+    did not run."""
+    geomeans = {}
+    for figure in RATIOS:
+        medians = [summary[figure]["median"] for summary in by_category.values() if summary[figure] is not None]
+        geomeans[f"category_geomean_{figure}"] = geometric_mean(medians) if medians else None
+    return geomeans
 
 
 def _prompt_details(measurements: Measurements, name: str) -> list[dict[str, Any]]:
@@ -243,6 +250,10 @@ def results_document(
         "skip_sets": skip_sets,
         "baseline": BASELINE,
         "lookup": PROMPT_LOOKUP if PROMPT_LOOKUP in measurements.runs else None,
+        "equal_kernels": {
+            "plain": PLAIN_OUR_KERNELS if PLAIN_OUR_KERNELS in measurements.runs else None,
+            "lookup": PROMPT_LOOKUP_OUR_KERNELS if PROMPT_LOOKUP_OUR_KERNELS in measurements.runs else None,
+        },
         "prompts": [{"id": prompt.id, "category": prompt.category} for prompt in measurements.prompts],
         "contenders": [
             {

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..measure import TimedRun, timed_generate
 from ..narrow_linear import choose_layouts
 from ..prompts import Prompt, encode_prompt
-from .contenders import BASELINE, HF_SELFSPEC, PLAIN, Contender
+from .contenders import BASELINE, PLAIN, Contender
 from .sampling import Sampling
 
 
@@ -58,10 +58,11 @@ def measure(
 ) -> Measurements:
     """Time each contender on each prompt `repeats` times, after one uncounted warm-up run per
     contender on the first prompt (lazy initialisation, allocator growth and, on GPUs, kernel
-    selection would otherwise land on whichever contender happens to run first). Our strategies'
-    verifications choose a kernel per band of widths the first time they meet it, which
-    one warm-up prompt does not reach: those choices are all made first (`choose_layouts`). In the first
-    repeat each prompt is first decoded plainly, untimed, for reference.
+    selection would otherwise land on whichever contender happens to run first). Our kernels
+    (our strategies' verifications, and a contender run with `narrow_kernels`) choose one per
+    band of widths the first time they meet it, which one warm-up prompt does not reach: those
+    choices are all made first (`choose_layouts`). In the first repeat each prompt is first
+    decoded plainly, untimed, for reference.
 
     Interrupted (KeyboardInterrupt) after at least one prompt, with `keep_when_interrupted`, it
     returns what was finished, with `planned` set; otherwise it re-raises, as a caller that acts
@@ -96,7 +97,7 @@ def measure(
     bar = tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", desc="bench", dynamic_ncols=True)
     try:
         with bar:
-            if any(contender.family == HF_SELFSPEC for contender in contenders):
+            if any(contender.takes_our_kernels for contender in contenders):
                 bar.set_postfix_str("timing the verifier's kernels")
                 choose_layouts(model)
             for contender in contenders:

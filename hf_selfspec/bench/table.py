@@ -56,11 +56,25 @@ def _ratio(figures: dict[str, Any] | None) -> str:
     return "-" if figures is None else f"{figures['median']:.2f}x"
 
 
+def _equal_kernels(results: dict[str, Any]) -> dict[str, str | None]:
+    """The contenders that plain decoding and lookup ran as on our kernels (None where one did
+    not run, or in a document written before they existed)."""
+    return results.get("equal_kernels") or {"plain": None, "lookup": None}
+
+
+def _extra_ratios(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """(column header, figure) of each ratio besides the speedup that this run has a reference for."""
+    equal = _equal_kernels(results)
+    columns = [("x plain, eq. kernels", "speedup_equal_kernels")] if equal["plain"] else []
+    columns += [("x lookup", "ratio_to_lookup")] if results["lookup"] else []
+    columns += [("x lookup, eq. kernels", "ratio_to_lookup_equal_kernels")] if equal["lookup"] else []
+    return columns
+
+
 def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
     rows = []
     for contender in results["contenders"]:
         speedup = contender["speedup"]
-        lookup = [Cell(_ratio(contender["ratio_to_lookup"]))] if results["lookup"] else []
         rows.append(
             [
                 Cell(contender["name"]),
@@ -69,7 +83,7 @@ def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
                 Cell(_number(speedup["median"], "{:.2f}x")),
                 Cell(_number(speedup["min"], "{:.2f}x")),
                 Cell(_number(speedup["max"], "{:.2f}x")),
-                *lookup,
+                *(Cell(_ratio(contender[figure])) for _, figure in _extra_ratios(results)),
                 Cell(_number(contender["acceptance_rate"], "{:.0%}")),
                 Cell(_number(contender["mean_accepted_length"], "{:.2f}")),
                 _consistency_cell(contender["consistency"]),
@@ -110,16 +124,22 @@ def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
         "geomean: of the category medians",
         *_category_grid(results, "speedup", "category_geomean_speedup", {results["baseline"]}, color),
     ]
-    lookup = results["lookup"]
-    # ratios to lookup need a contender besides plain and lookup itself
-    if lookup and any(contender["name"] not in (results["baseline"], lookup) for contender in results["contenders"]):
+    equal = _equal_kernels(results)
+    references = {
+        "speedup_equal_kernels": (equal["plain"], "plain decoding on our kernels"),
+        "ratio_to_lookup": (results["lookup"], "transformers' prompt lookup"),
+        "ratio_to_lookup_equal_kernels": (equal["lookup"], "transformers' prompt lookup on our kernels"),
+    }
+    transformers_own = {results["baseline"], *(name for name, _ in references.values() if name)}
+    # a ratio to one of transformers' own needs a contender of ours beside them
+    if not any(contender["name"] not in transformers_own for contender in results["contenders"]):
+        return lines
+    for header, figure in _extra_ratios(results):
+        reference, what = references[figure]
         lines += [
             "",
-            f"x lookup: median ratio to transformers' prompt lookup ({lookup}), paired per repeat like the speedup, "
-            "by prompt category",
-            *_category_grid(
-                results, "ratio_to_lookup", "category_geomean_ratio_to_lookup", {results["baseline"], lookup}, color
-            ),
+            f"{header}: median ratio to {what} ({reference}), paired per repeat like the speedup, by prompt category",
+            *_category_grid(results, figure, f"category_geomean_{figure}", transformers_own, color),
         ]
     return lines
 
@@ -135,7 +155,15 @@ def _notes(results: dict[str, Any], color: bool) -> list[str]:
             f"over the same prompts; median, min and max over {settings['repeats']} repeat(s). "
             "accept: accepted / drafted tokens. "
             "acc/verify: accepted tokens per verification."
-            + (f" x lookup: the same ratio with {lookup} in the baseline's place." if lookup else "")
+            + "".join(
+                f" {header}: the same ratio with {reference} in the baseline's place."
+                for header, reference in (
+                    ("x plain, eq. kernels", _equal_kernels(results)["plain"]),
+                    ("x lookup", lookup),
+                    ("x lookup, eq. kernels", _equal_kernels(results)["lookup"]),
+                )
+                if reference
+            )
         ),
         f"default skip set: attn {default['attn_skip_layers']}, mlp {default['mlp_skip_layers']}",
     ]
@@ -179,9 +207,9 @@ def _decoding(settings: dict[str, Any]) -> str:
 
 def render(results: dict[str, Any], color: bool = False) -> str:
     settings, machine = results["settings"], results["machine"]
-    lookup = ["x lookup"] if results["lookup"] else []
     headers = [
-        "contender", "params", "tok/s", "speedup", "min", "max", *lookup, "accept", "acc/verify", "consistent",
+        "contender", "params", "tok/s", "speedup", "min", "max", *(header for header, _ in _extra_ratios(results)),
+        "accept", "acc/verify", "consistent",
     ]  # fmt: skip
     title = (
         f"{settings['prompts']} prompts x {settings['max_new_tokens']} new tokens, {settings['repeats']} repeat(s), "

@@ -12,7 +12,15 @@ import torch
 import hf_selfspec
 from hf_selfspec.bench.benchmark import run_benchmark
 from hf_selfspec.bench.cli import prompt_source
-from hf_selfspec.bench.contenders import BASELINE, PLAIN, PROMPT_LOOKUP, Contender, build_contenders
+from hf_selfspec.bench.contenders import (
+    BASELINE,
+    PLAIN,
+    PLAIN_OUR_KERNELS,
+    PROMPT_LOOKUP,
+    PROMPT_LOOKUP_OUR_KERNELS,
+    Contender,
+    build_contenders,
+)
 from hf_selfspec.bench.plots import plot_category_speedup
 from hf_selfspec.bench.report import diverged, results_document
 from hf_selfspec.bench.runner import Measurements, measure
@@ -71,7 +79,8 @@ def test_run_writes_results_with_every_contender_and_plots(tiny_llama_dir, promp
     assert status == 0
     results = json.loads((output / "results.json").read_text())
     by_name = {contender["name"]: contender for contender in results["contenders"]}
-    expected = [BASELINE, "prompt_lookup", "early_exit", *_untrained_strategies()]
+    expected = [BASELINE, PLAIN_OUR_KERNELS, "prompt_lookup", PROMPT_LOOKUP_OUR_KERNELS, "early_exit",
+                *_untrained_strategies()]
     assert list(by_name) == expected
     # Every contender runs plainly unless it is one of ours: a tuned profile must not leak in.
     for contender in results["contenders"]:
@@ -400,8 +409,9 @@ def test_sigterm_writes_the_prompts_measured_and_exits_130(tiny_llama_dir, promp
     import hf_selfspec.bench.runner as runner
 
     handler_before = signal.getsignal(signal.SIGTERM)
-    # warm-ups 1-2, prompt 1: reference 3, baseline 4, lookup 5; prompt 2: reference 6
-    monkeypatch.setattr(runner, "timed_generate", _interrupting(6, lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    # warm-ups 1-4 (plain and lookup, each also on our kernels), prompt 1: reference 5, the four
+    # contenders 6-9; prompt 2: reference 10
+    monkeypatch.setattr(runner, "timed_generate", _interrupting(10, lambda: os.kill(os.getpid(), signal.SIGTERM)))
     output = tmp_path / "out"
     status = main(["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output),
                    "--contenders", "prompt_lookup", *BENCH_FLAGS])
@@ -446,7 +456,7 @@ def test_custom_generate_contender_runs_the_tuned_profile_through_the_package(ti
     argv += ["--config", str(config), "--custom-generate", str(folder), "--contenders", "self_speculative"]
     assert main([*argv, *BENCH_FLAGS]) == 0
     results = {c["name"]: c for c in json.loads((output / "results.json").read_text())["contenders"]}
-    assert set(results) == {BASELINE, "custom_generate", "self_speculative"}
+    assert set(results) == {BASELINE, PLAIN_OUR_KERNELS, "custom_generate", "self_speculative"}
     packaged, installed = results["custom_generate"], results["self_speculative"]
     assert packaged["identical"] is True and packaged["verifications"] > 0
     assert packaged["generate_kwargs"]["custom_generate"] == str(folder)
@@ -519,7 +529,9 @@ def test_contenders_option_runs_the_named_ones_and_the_baseline(tiny_llama_dir, 
     argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output)]
     assert main([*argv, "--contenders", "prompt_lookup, target_confidence_gated", *BENCH_FLAGS]) == 0
     results = json.loads((output / "results.json").read_text())
-    assert [c["name"] for c in results["contenders"]] == [BASELINE, "prompt_lookup", "target_confidence_gated"]
+    assert [c["name"] for c in results["contenders"]] == [
+        BASELINE, PLAIN_OUR_KERNELS, "prompt_lookup", PROMPT_LOOKUP_OUR_KERNELS, "target_confidence_gated"
+    ]
 
 
 def test_tuned_names_the_strategy_the_tuned_profile_runs(tiny_llama_dir, prompt_file, tmp_path, capsys):
@@ -531,7 +543,8 @@ def test_tuned_names_the_strategy_the_tuned_profile_runs(tiny_llama_dir, prompt_
     assert main([*argv, "--config", str(config), "--contenders", "prompt_lookup,tuned", *BENCH_FLAGS]) == 0
     results = json.loads((output / "results.json").read_text())
     assert [(c["name"], c["params_label"]) for c in results["contenders"]] == [
-        (BASELINE, "plain"), ("prompt_lookup", "10 tokens"), ("adaptive_draft_exit", "tuned")
+        (BASELINE, "plain"), (PLAIN_OUR_KERNELS, "our kernels"), ("prompt_lookup", "10 tokens"),
+        (PROMPT_LOOKUP_OUR_KERNELS, "10 tokens, our kernels"), ("adaptive_draft_exit", "tuned")
     ]
     # Without a profile there is nothing for `tuned` to name: one line, before any timing.
     assert main([*argv, "--contenders", "tuned", *BENCH_FLAGS]) == 2
@@ -580,7 +593,7 @@ def test_a_draft_adapter_adds_the_kangaroo_contender(tiny_llama_dir, prompt_file
     status = main(["bench", "--model", str(tiny_llama_dir), "--prompts", str(prompt_file), "--output", str(output),
                    "--draft-adapter", str(adapter), "--contenders", "kangaroo", *BENCH_FLAGS])
     assert status == 0
-    [_, kangaroo] = json.loads((output / "results.json").read_text())["contenders"]
+    [*_, kangaroo] = json.loads((output / "results.json").read_text())["contenders"]
     assert kangaroo["name"] == "kangaroo" and kangaroo["identical"]
     assert kangaroo["generate_kwargs"]["draft_adapter"] == str(adapter)
 
@@ -605,7 +618,7 @@ def test_compare_config_runs_another_tuned_profile_in_the_same_run(tiny_llama_di
             "--config", str(config), "--contenders", "self_speculative", "--compare-config", str(other)]
     assert main([*argv, *BENCH_FLAGS]) == 0
     results = {c["name"]: c for c in json.loads((output / "results.json").read_text())["contenders"]}
-    assert list(results) == ["baseline", "self_speculative", "kangaroo@kangaroo-generation_config"]
+    assert list(results) == ["baseline", PLAIN_OUR_KERNELS, "self_speculative", "kangaroo@kangaroo-generation_config"]
     compared = results["kangaroo@kangaroo-generation_config"]
     assert compared["generate_kwargs"]["draft_adapter"] == adapter and compared["generate_kwargs"]["max_draft_tokens"] == 3
     assert compared["identical"] is True and compared["verifications"] > 0
@@ -706,6 +719,30 @@ def test_per_category_speedups_ratios_to_lookup_and_geomeans():
     assert _table_row(table, ratios, "ours") == ["0.50x", "4.00x", "1.20x", "1.41x"]
     ratio_table = table[table.index(ratios):]
     assert f"\n{PROMPT_LOOKUP} " not in ratio_table and f"\n{BASELINE} " not in ratio_table
+
+
+def test_equal_kernel_ratios_stand_beside_the_ratios_to_transformers_as_it_runs():
+    """With plain decoding and lookup also run on our kernels, each ratio gets its equal-kernel
+    counterpart, by category too: our kernels make plain 1.25x and lookup 2x faster here."""
+    measurements = _category_measurements()
+    runs = measurements.runs
+    runs[PLAIN_OUR_KERNELS] = [[_run([1, 2], 0.8 * run.seconds) for run in repeat] for repeat in runs[BASELINE]]
+    runs[PROMPT_LOOKUP_OUR_KERNELS] = [[_run([1, 2], 0.5 * run.seconds) for run in repeat] for repeat in runs[PROMPT_LOOKUP]]
+    measurements.contenders[2:2] = [_contender(PLAIN_OUR_KERNELS, "transformers"),
+                                    _contender(PROMPT_LOOKUP_OUR_KERNELS, "transformers")]
+    results = results_document(measurements, machine=_MACHINE, skip_sets=_SKIP_SETS, command={})
+    assert results["equal_kernels"] == {"plain": PLAIN_OUR_KERNELS, "lookup": PROMPT_LOOKUP_OUR_KERNELS}
+    ours = next(c for c in results["contenders"] if c["name"] == "ours")
+    assert ours["speedup_equal_kernels"]["per_repeat"] == pytest.approx([2.4 * 0.8] * 2)
+    assert ours["ratio_to_lookup_equal_kernels"]["per_repeat"] == pytest.approx([1.2 * 0.5] * 2)
+    assert ours["category_geomean_ratio_to_lookup_equal_kernels"] == pytest.approx(math.sqrt(0.25 * 2.0))
+    table = render(results)
+    # main table: speedup min max, x plain on equal kernels, x lookup, x lookup on equal kernels
+    assert _table_row(table, "contender", "ours")[2:8] == ["2.40x", "2.40x", "2.40x", "1.92x", "1.20x", "0.60x"]
+    equal = "x lookup, eq. kernels: median ratio to transformers' prompt lookup on our kernels"
+    assert _table_row(table, equal, "ours") == ["0.25x", "2.00x", "0.60x", "0.71x"]
+    equal_table = table[table.index(equal):]
+    assert all(f"\n{name} " not in equal_table for name in (BASELINE, PROMPT_LOOKUP, PLAIN_OUR_KERNELS))
 
 
 def test_without_lookup_or_categories_the_report_says_none():

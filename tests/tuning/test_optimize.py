@@ -132,6 +132,11 @@ def test_a_finished_run_is_not_run_again(finished, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.count("done in an earlier run") == len(STAGES)
     assert "vs lookup" in out and "overall" in out
+    # beside the ratio to lookup as transformers runs it, the ratio on equal kernels, a figure
+    header = next(line for line in out.splitlines() if "vs lookup" in line)
+    overall = next(line for line in out.splitlines() if line.startswith("overall"))
+    assert header.rstrip().endswith("vs lookup, equal kernels")
+    assert len(overall.split()) == 5 and overall.split()[-1].endswith("x")
 
 
 def test_a_run_for_another_model_into_the_same_output_is_refused(finished, tmp_path, capsys):

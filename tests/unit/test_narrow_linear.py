@@ -263,3 +263,50 @@ def test_greedy_decoding_matches_plain_on_every_kernel(monkeypatch, architecture
             max_draft_tokens=5, draft_exit_threshold=0.0, prompt_lookup_tokens=4, prompt_lookup_min_ngram=1,
         )
     assert bool(calls) == (layout != STOCK)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_plain_decoding_and_transformers_lookup_take_our_kernels_when_asked(transposed_calls, architecture):
+    """`narrow_kernels=True` gives plain decoding and transformers' own prompt lookup the
+    verifier's kernels, with plain's tokens; by default they keep the stock one."""
+    model = tiny_model(architecture, initializer_range=0.3)
+    prompt = random_prompts(model.config.vocab_size, count=1)[0]
+    for extra in ({}, {"prompt_lookup_num_tokens": 4}):
+        expected = model.generate(prompt, max_new_tokens=20, do_sample=False, strategy="plain", **extra)
+        assert transposed_calls == []
+        narrow = model.generate(prompt, max_new_tokens=20, do_sample=False, strategy="plain", narrow_kernels=True, **extra)
+        assert narrow.tolist() == expected.tolist()
+        assert transposed_calls and all(rows[0] <= ROW_BANDS[-1] for rows in transposed_calls)
+        transposed_calls.clear()
+
+
+def test_a_strategy_on_the_stock_kernels_when_told(transposed_calls):
+    model = tiny_model("llama", initializer_range=0.3)
+    for prompt in random_prompts(model.config.vocab_size):
+        assert_same_greedy(
+            model, prompt, strategy="self_speculative", attn_skip_layers=[1], mlp_skip_layers=[2],
+            draft_exit_threshold=0.0, narrow_kernels=False,
+        )
+    assert transposed_calls == []
+    assert_same_greedy(model, random_prompts(model.config.vocab_size)[0], strategy="self_speculative")
+    assert transposed_calls
+
+
+def test_narrow_kernels_must_be_a_bool():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="narrow_kernels must be True, False or None, got 'yes'"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, narrow_kernels="yes")
+
+
+def test_uninstall_gives_the_layers_their_stock_forward_back():
+    model = TwoLinears()
+    with torch.no_grad(), verifying(model):
+        model(torch.randn(1, 2, 16))
+    assert "forward" in model.first.__dict__
+    narrow_linear.uninstall(model)
+    assert not any("forward" in layer.__dict__ for layer in (model.first, model.second))
+    assert not hasattr(model.first, "_hf_selfspec_packable") and model.first not in narrow_linear._PACKED
+    assert not getattr(model, "_hf_selfspec_narrow_linear", False)
+    with torch.no_grad(), verifying(model):  # installed again where verified again
+        model(torch.randn(1, 2, 16))
+    assert model.first.forward.__func__ is narrow_linear._forward
