@@ -347,7 +347,56 @@ def calibrate(
     would move every trial's estimate.
     """
     timer = timer or device_timer(model.device)
-    cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
+    # The seconds of every forward pass in each timed plain decode: on the stock kernels, as plain
+    # decoding runs, and on the verifier's.
+    plain_forwards: list[list[float]] = []
+    verifier_forwards: list[list[float]] = []
+    verifications = verification_runs(model, verified_after or (sample,), verification_knots(max_verify_tokens))
+    runs: dict[Any, Callable[[], Any]] = {
+        # every width once, then again, so that a width's timings within a round are apart
+        **{
+            ("verify", width, repeat): run
+            for repeat in range(_VERIFY_TIMINGS_PER_ROUND)
+            for width, run in verifications.items()
+        },
+        **_draft_runs(model, sample, num_layers, draft_adapters),
+        **_plain_runs(model, sample, generate_kwargs, plain_forwards, verifier_forwards),
+    }
+    timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
+    seconds = {name: typical_seconds(timed) for name, timed in timings.items()}
+    widths = {
+        width: typical_seconds(
+            [timing for repeat in range(_VERIFY_TIMINGS_PER_ROUND) for timing in timings["verify", width, repeat]]
+        )
+        for width in verifications
+    }
+    verify_seconds = verification_prices(widths, max_verify_tokens)
+    plain_forward_seconds = verify_seconds[1] * decoded_step(plain_forwards) / decoded_step(verifier_forwards)
+    steps = len(sample.reference)
+    priced_plain = seconds["prefill"] + (steps - 1) * plain_forward_seconds
+    plain_step_overhead = statistics.median(
+        overhead_per_step(total - sum(forwards), sum(forwards), priced_plain, steps)
+        for total, forwards in zip(timings["plain"], plain_forwards, strict=True)
+    )
+    return CostModel(
+        num_layers=num_layers,
+        verify_seconds=verify_seconds,
+        plain_step_overhead=plain_step_overhead,
+        plain_forward_seconds=plain_forward_seconds,
+        **_draft_prices(seconds, num_layers, draft_adapters),
+    )
+
+
+def _plain_runs(
+    model,
+    sample: TeacherForcedPrompt,
+    generate_kwargs: Mapping[str, Any],
+    plain_forwards: list[list[float]],
+    verifier_forwards: list[list[float]],
+) -> dict[str, Callable[[], None]]:
+    """`calibrate`'s runs of the prompt's prefill and of plain decodes of `sample`, each decode
+    appending the seconds of its forward passes to `plain_forwards` (on the stock kernels) or
+    `verifier_forwards` (on the verifier's)."""
     inputs = {name: tensor.to(model.device) for name, tensor in sample.prompt.inputs.items()}
     prompt_ids = inputs["input_ids"]
     prefill_cache = DraftAwareCache()
@@ -355,11 +404,6 @@ def calibrate(
     def prefill() -> None:
         prefill_cache.rollback(0)
         _forward(model, prompt_ids, 0, prefill_cache, 1)
-
-    # The seconds of every forward pass in each timed plain decode: on the stock kernels, as plain
-    # decoding runs, and on the verifier's.
-    plain_forwards: list[list[float]] = []
-    verifier_forwards: list[list[float]] = []
 
     def decode_plainly(kernels: Callable[[], contextlib.AbstractContextManager]) -> list[float]:
         # Stopped where plain decoding stopped, so that it decodes exactly the sample's reference.
@@ -373,6 +417,16 @@ def calibrate(
 
     def plain_decode_on_verifier_kernels() -> None:
         verifier_forwards.append(decode_plainly(partial(verifying, model)))
+
+    return {"prefill": prefill, "plain": plain_decode, "plain on the verifier's kernels": plain_decode_on_verifier_kernels}
+
+
+def _draft_runs(
+    model, sample: TeacherForcedPrompt, num_layers: int, draft_adapters: Sequence[str]
+) -> dict[Any, Callable[[], None]]:
+    """`calibrate`'s runs of the draft after `sample`'s text: the full model, one attention and
+    one MLP sub-layer, the LM head whole and restricted, and each trained adapter's draft."""
+    cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
 
     def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
         sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
@@ -410,40 +464,20 @@ def calibrate(
         return lambda: [head(hidden) for _ in range(_HEAD_CALLS)]
 
     all_but_first = tuple(range(1, num_layers))
-    verifications = verification_runs(model, verified_after or (sample,), verification_knots(max_verify_tokens))
-    runs: dict[Any, Callable[[], Any]] = {
-        # every width once, then again, so that a width's timings within a round are apart
-        **{
-            ("verify", width, repeat): run
-            for repeat in range(_VERIFY_TIMINGS_PER_ROUND)
-            for width, run in verifications.items()
-        },
+    return {
         "full": skipping((), ()),
         "one attention": skipping(all_but_first, ()),
         "one mlp": skipping((), all_but_first),
         "full head": head_run(model.get_output_embeddings()),
         **{("head", size): head_run(RestrictedDraftHead(model, size, text[:1])) for size in _HEAD_SIZES},
         **{path: adapter_draft(path) for path in draft_adapters},
-        "prefill": prefill,
-        "plain": plain_decode,
-        "plain on the verifier's kernels": plain_decode_on_verifier_kernels,
     }
-    timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
-    seconds = {name: typical_seconds(timed) for name, timed in timings.items()}
-    widths = {
-        width: typical_seconds(
-            [timing for repeat in range(_VERIFY_TIMINGS_PER_ROUND) for timing in timings["verify", width, repeat]]
-        )
-        for width in verifications
-    }
-    verify_seconds = verification_prices(widths, max_verify_tokens)
-    plain_forward_seconds = verify_seconds[1] * decoded_step(plain_forwards) / decoded_step(verifier_forwards)
-    steps = len(sample.reference)
-    priced_plain = seconds["prefill"] + (steps - 1) * plain_forward_seconds
-    plain_step_overhead = statistics.median(
-        overhead_per_step(total - sum(forwards), sum(forwards), priced_plain, steps)
-        for total, forwards in zip(timings["plain"], plain_forwards, strict=True)
-    )
+
+
+def _draft_prices(seconds: Mapping[Any, float], num_layers: int, draft_adapters: Sequence[str]) -> dict[str, Any]:
+    """The cost model's draft prices from the typical `seconds` of `_draft_runs`' runs: each
+    sub-layer's, read off the full draft against one with a single attention or MLP left; the
+    restricted head's, as a line between its two timed sizes."""
     full, one_attention, one_mlp = (seconds[name] / _CALIBRATION_TOKENS for name in ("full", "one attention", "one mlp"))
     heads = ("full head", *(("head", size) for size in _HEAD_SIZES))
     full_head, small_head, large_head = (seconds[name] / _HEAD_CALLS for name in heads)
@@ -451,18 +485,14 @@ def calibrate(
     attention_seconds = (full - one_attention) / spread
     mlp_seconds = (full - one_mlp) / spread
     per_row = (large_head - small_head) / (_HEAD_SIZES[1] - _HEAD_SIZES[0])
-    return CostModel(
-        num_layers=num_layers,
-        verify_seconds=verify_seconds,
-        plain_step_overhead=plain_step_overhead,
-        plain_forward_seconds=plain_forward_seconds,
-        draft_constant=full - num_layers * (attention_seconds + mlp_seconds),
-        attention_seconds=attention_seconds,
-        mlp_seconds=mlp_seconds,
-        restricted_head_constant=small_head - full_head - _HEAD_SIZES[0] * per_row,
-        restricted_head_per_row=per_row,
-        adapter_draft_seconds={path: seconds[path] / _CALIBRATION_TOKENS for path in draft_adapters},
-    )
+    return {
+        "draft_constant": full - num_layers * (attention_seconds + mlp_seconds),
+        "attention_seconds": attention_seconds,
+        "mlp_seconds": mlp_seconds,
+        "restricted_head_constant": small_head - full_head - _HEAD_SIZES[0] * per_row,
+        "restricted_head_per_row": per_row,
+        "adapter_draft_seconds": {path: seconds[path] / _CALIBRATION_TOKENS for path in draft_adapters},
+    }
 
 
 # The loop's probe: the full model drafting for itself, so that it drafts and verifies at every
