@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import copy
 import dataclasses
 import itertools
 import logging
@@ -48,15 +47,14 @@ from transformers import DynamicCache, LogitsProcessorList, MaxLengthCriteria, S
 
 from hf_selfspec.adapter import DraftAdapter, load_adapter, read_adapter_shape
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.decoding import WallClock, speculative_decode
-from hf_selfspec.decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter
+from hf_selfspec.decoding import DecodeRequest, Runtime, WallClock, speculative_decode
+from hf_selfspec.decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter, ExitPolicy
 from hf_selfspec.drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import SkippingDecoder, decoder_layers
 from hf_selfspec.measure import forward_timings, timed, timed_generate
 from hf_selfspec.narrow_linear import verifying
 from hf_selfspec.params import SelfSpecParams, resolve_params
-from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import PLAIN, Strategy, resolve_strategy
@@ -433,6 +431,7 @@ def _draft_runs(
         sequence[0, : kv_length + 1] = text
         state = DecodingState(sequence, torch.arange(sequence.shape[1], device=text.device)[None], kv_length + 1)
         selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
+        drafter.continue_from(state, kv_length)
 
         def run():
             drafter.propose(state, _CALIBRATION_TOKENS, never_exit, selector)
@@ -446,15 +445,11 @@ def _draft_runs(
         return draft_run(LayerSkipDrafter(model, cache, SkippingDecoder(model, attn_skip, mlp_skip)), cache)
 
     def adapter_draft(path: str) -> Callable[[], None]:
-        # A prefill of its own handed to the drafter, so that the adapter's attention spans the
-        # committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
+        # A prefill of its own, which the drafter continues from, so that the adapter's attention
+        # spans the committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
         own_cache = DraftAwareCache(model.config)
-        drafter = ShallowExitDrafter(model, own_cache, load_adapter(model, path))
-        layer = drafter.verification_hidden_state()
-        prefill = _forward(model, text[None, :kv_length], 0, own_cache, 1, output_hidden_states=[layer])
-        drafter.verified(prefill.hidden_states[layer])
-        drafter.rollback(kv_length)
-        return draft_run(drafter, own_cache)
+        _forward(model, text[None, :kv_length], 0, own_cache, 1)
+        return draft_run(ShallowExitDrafter(model, own_cache, load_adapter(model, path)), own_cache)
 
     # The head alone, timed directly: its share of a draft step is too small to read off
     # whole-step timings through their noise.
@@ -694,7 +689,8 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
 
 class _PredictedDraft(Drafter):
     """The model's draft as the draft pass predicts it: what a real draft proposes after the
-    committed text, each token with its runner-ups, until the exit policy stops it."""
+    committed text, each token with its runner-ups, until the exit policy stops it (by the rule
+    a real draft stops by)."""
 
     def __init__(self, predictions: DraftPredictions, prompt_length: int):
         self.predictions, self.prompt_length = predictions, prompt_length
@@ -704,7 +700,7 @@ class _PredictedDraft(Drafter):
         draft = Draft()
         for token, confidence in self.predictions.chain(row, max_tokens):
             draft.tokens.append(token)
-            if confidence < exit_policy.threshold:
+            if exit_policy.exits_after(confidence):
                 break
         state.sequence[0, state.length : state.length + len(draft.tokens)] = torch.tensor(draft.tokens)
         draft.alternatives = self.predictions.alternatives[row : row + len(draft.tokens)]
@@ -781,27 +777,22 @@ def estimate_decode(
     model's verdicts, `draft`'s predictions for the model's draft, and `cost`'s prices for its
     clock. Everything else is the strategy's own composition: prompt lookup and its corpus, the
     gate, the exit policy, the back-off, a drafter of its own."""
-    strategy = copy.copy(resolve_strategy(strategy))
-    predicted = _PredictedDraft(draft, data.prompt_length)
+    strategy = resolve_strategy(strategy)
+    cache = DraftAwareCache()  # stays empty: the known verifier writes no KV
     # The model's draft would cost forward passes, which the estimate exists to save: wherever
     # the strategy builds it, it gets the prediction instead.
-    strategy.build_model_drafter = lambda model, params, cache, assistant_model: predicted
-    cache = DraftAwareCache()  # stays empty: the known verifier writes no KV
-    clock = PricedClock(cost, params, data.prefill_seconds)
-    result = speculative_decode(
-        model,
-        cache,
-        strategy.build(model, params, cache),
+    parts = strategy.build(model, params, cache, model_drafter=_PredictedDraft(draft, data.prompt_length))
+    request = DecodeRequest(
         data.full_text[None, : data.prompt_length],
         TokenSelector(LogitsProcessorList(), do_sample=False),
         # plain decoding stopped there (its EOS, if it reached one)
         StoppingCriteriaList([MaxLengthCriteria(data.prompt_length + len(data.reference))]),
         max_length=data.prompt_length + data.max_new_tokens,
         max_proposal_tokens=params.max_proposal_tokens,
-        stats=StrategyStats(strategy=strategy.name),
-        forward=_KnownVerifier(data, model.get_output_embeddings().weight.shape[0]),
-        clock=clock,
     )
+    clock = PricedClock(cost, params, data.prefill_seconds)
+    runtime = Runtime(_KnownVerifier(data, model.get_output_embeddings().weight.shape[0]), clock)
+    result = speculative_decode(model, cache, parts, request, StrategyStats(strategy=strategy.name), runtime)
     return clock.seconds, result.stats
 
 
