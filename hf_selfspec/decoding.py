@@ -2,9 +2,10 @@
 
 Positions are explicit and the sequence lives in one preallocated buffer, so a step allocates
 nothing it does not have to. The prompt's prefill is simply the first verification, of whatever
-the drafter can propose without a forward pass (as transformers' assisted decoding does). A cache
-that arrives holding the prompt's first tokens (a chat's earlier turns) is continued: the prefill
-covers the rest.
+can be proposed without a forward pass (as transformers' assisted decoding does). A cache that
+arrives holding the prompt's first tokens (a chat's earlier turns) is continued: the prefill
+covers the rest. Each verification's outcome is one record (`StepOutcome`), which every part
+that adapts learns from.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import StoppingCriteriaList
 
 from .alternatives import verification_inputs
 from .cache import DraftAwareCache, cache_keyword
-from .decoding_types import DecodingState, Draft, Drafter, Verdict
+from .decoding_types import DecodingState, Draft, Drafter, ExitPolicy, StepOutcome, Verdict
+from .lookup import PromptLookup
 from .narrow_linear import verifying
-from .policies import Backoff, ExitPolicy, Gate
+from .policies import Backoff, Gate
 from .selection import TokenSelector
 from .stats import StrategyStats
 from .verifier import verify
@@ -28,13 +31,40 @@ from .verifier import verify
 
 @dataclass
 class SpeculationParts:
-    """What a strategy composes: who proposes, when drafting stops, whether the model drafts,
-    and whether to speculate at all."""
+    """What a strategy composes: who drafts with a model, when drafting stops, whether the model
+    drafts, whether to speculate at all, and prompt lookup's sources (None: no lookup). It is
+    the step's one choice point (`propose`), and hands every verification's outcome to each
+    part (`learn`)."""
 
     drafter: Drafter
     exit_policy: ExitPolicy
     gate: Gate
     backoff: Backoff
+    lookup: PromptLookup | None = None
+
+    def propose(self, state: DecodingState, limit: int, selector: TokenSelector, prefill: bool) -> Draft:
+        """The step's proposal, of at most `limit` tokens: the back-off decides whether to
+        speculate at all, the gate whether the model drafts; proposals that cost no forward pass
+        (prompt lookup) need only the back-off, and ride along with the prompt's prefill, whose
+        forward pass is wide anyway. Where the back-off says no, it may still let a verbatim
+        repeat through."""
+        if limit <= 0:
+            return Draft()
+        if not self.backoff.should_speculate():
+            verbatim = self.lookup is not None and self.backoff.verifies_verbatim
+            return self.lookup.verbatim(state, limit) if verbatim else Draft()
+        if prefill or not self.gate.should_draft():
+            return Draft() if self.lookup is None else self.lookup.free(state, limit)
+
+        def model_draft(max_tokens: int) -> Draft:
+            return self.drafter.propose(state, max_tokens, self.exit_policy, selector)
+
+        return model_draft(limit) if self.lookup is None else self.lookup.propose(state, limit, model_draft)
+
+    def learn(self, outcome: StepOutcome) -> None:
+        for part in (self.drafter, self.exit_policy, self.gate, self.backoff, self.lookup):
+            if part is not None:
+                part.learn(outcome)
 
 
 # One forward pass of the full model over a verification's inputs `(input_ids, position_ids,
@@ -85,6 +115,34 @@ class WallClock:
 
 
 @dataclass
+class Runtime:
+    """How a decode's verifications run (`forward`) and are timed (`clock`): the full model and
+    wall time, unless the tuner's estimate replaces both, driving the loop with plain decoding's
+    known tokens and priced seconds."""
+
+    forward: FullForward
+    clock: WallClock
+
+    @classmethod
+    def real(cls, model, cache: DraftAwareCache) -> Runtime:
+        return cls(model_forward(model, cache), WallClock())
+
+
+@dataclass
+class DecodeRequest:
+    """What to decode, and how: as `generate` would from `input_ids`, up to `max_length` tokens
+    or until the stopping criteria say so, proposing at most `max_proposal_tokens` a step."""
+
+    input_ids: torch.Tensor
+    selector: TokenSelector
+    stopping_criteria: StoppingCriteriaList
+    max_length: int
+    max_proposal_tokens: int
+    streamer: Any = None
+    keep_scores: bool = False  # keep every committed token's scores and logits, for `generate`'s output
+
+
+@dataclass
 class DecodeResult:
     sequences: torch.Tensor
     stats: StrategyStats
@@ -96,100 +154,85 @@ def speculative_decode(
     model,
     cache: DraftAwareCache,
     parts: SpeculationParts,
-    input_ids: torch.Tensor,
-    selector: TokenSelector,
-    stopping_criteria: StoppingCriteriaList,
-    max_length: int,
-    max_proposal_tokens: int,
+    request: DecodeRequest,
     stats: StrategyStats,
-    streamer=None,
-    keep_scores: bool = False,
-    forward: FullForward | None = None,
-    clock: WallClock | None = None,
+    runtime: Runtime | None = None,
 ) -> DecodeResult:
-    """Decode from `input_ids` until the stopping criteria say so. `forward` (the full model by
-    default) and `clock` (wall time by default) are the tuner's estimate's to replace: it drives
-    this loop with plain decoding's known tokens and priced seconds."""
-    forward = model_forward(model, cache) if forward is None else forward
-    clock = WallClock() if clock is None else clock
-    prompt_length = input_ids.shape[1]
-    sequence = input_ids.new_zeros((1, max_length))
-    sequence[:, :prompt_length] = input_ids
-    positions = torch.arange(max_length, device=input_ids.device).unsqueeze(0)
-    state = DecodingState(sequence, positions, prompt_length)
+    """Decode `request` with `parts`, verifying on `runtime` (the full model and wall time by
+    default) into `cache`, counting into `stats`."""
+    runtime = Runtime.real(model, cache) if runtime is None else runtime
+    forward, clock = runtime.forward, runtime.clock
+    state = _committed_prompt(request)
     cached_length = kv_length = cache.get_seq_length()
     parts.drafter.continue_from(state, cached_length)
-    kept_scores: list[torch.Tensor] = []
+    kept_scores: list[torch.Tensor] | None = [] if request.keep_scores else None
     kept_logits: list[torch.Tensor] = []
-    finished = prompt_length >= max_length
+    finished = state.length >= request.max_length
 
     while not finished:
         is_prefill = kv_length == cached_length
 
-        # Draft: the back-off decides whether to speculate at all, the gate whether the model
-        # drafts; proposals that cost no forward pass (prompt lookup) need only the back-off,
-        # and ride along with the prompt's prefill, whose forward pass is wide anyway. Where the
-        # back-off says no, it may still let a verbatim repeat through.
+        # Draft
         started = clock.step_started()
-        draft = Draft()
-        room = max_length - state.length
-        limit = min(max_proposal_tokens, room - 1)
-        if limit > 0 and parts.backoff.should_speculate():
-            if is_prefill:
-                draft = parts.drafter.propose_free(state, limit)
-            elif parts.gate.should_draft():
-                draft = parts.drafter.propose(state, limit, parts.exit_policy, selector)
-                cache.rollback(kv_length)  # the draft's own KV is not the full model's
-            else:
-                draft = parts.drafter.propose_free(state, limit)
-        elif limit > 0 and parts.backoff.verifies_verbatim:
-            draft = parts.drafter.propose_verbatim(state, limit)
-        drafted = len(draft.tokens)
+        limit = min(request.max_proposal_tokens, request.max_length - state.length - 1)
+        draft = parts.propose(state, limit, request.selector, is_prefill)
+        if not is_prefill:
+            # A model's draft left its own KV in the shared cache, not the full model's. (Where
+            # nothing drafted into it, the cache is as the last step's rollback left it.)
+            cache.rollback(kv_length)
         drafting_ended = clock.drafted(draft)
         stats.draft_seconds += drafting_ended - started
 
         # Verify: every drafted position in one forward pass of the full model, the draft's
         # alternatives beside them
         input_ids, position_ids, attention_mask = verification_inputs(
-            sequence, positions, kv_length, state.length, drafted, draft.alternatives, model, cache
+            state.sequence, state.positions, kv_length, state.length, len(draft.tokens), draft.alternatives, model,
+            cache,
         )
         first_row = state.length - 1 - kv_length  # the newest committed token's: logits from here on
         logits, hidden = forward(
-            input_ids, position_ids, attention_mask, input_ids.shape[1] - first_row,
-            parts.drafter.verification_hidden_state(),
+            input_ids, position_ids, attention_mask, input_ids.shape[1] - first_row, parts.drafter.hidden_layer
         )
-        if hidden is not None:
-            parts.drafter.verified(hidden)
-        verdict = verify(selector, state, draft, logits)
+        verdict = verify(request.selector, state, draft, logits)
         verified = clock.verified(input_ids.shape[1])
         stats.verify_seconds += verified - drafting_ended
 
         # Accept
-        committed, finished = _commit(state, verdict, stopping_criteria, kept_scores if keep_scores else None)
-        if streamer is not None:
-            streamer.put(sequence[0, state.length - committed : state.length].cpu())
-        if keep_scores:
+        committed, finished = _commit(state, verdict, request.stopping_criteria, kept_scores)
+        if request.streamer is not None:
+            request.streamer.put(state.sequence[0, state.length - committed : state.length].cpu())
+        if request.keep_scores:
             kept_logits.extend(verdict.logits[:committed, None])
 
         # Roll back: keep the KV of every committed token but the newest, which has none yet
         verified_from, kv_length = kv_length, state.length - 1
+        moved_row = None
         # An accepted alternative keeps its KV whenever the token after it was committed, on the
         # last step too: the cache a chat's next turn continues from must hold it. A stop on the
         # alternative itself leaves it the newest token, with no KV yet.
         if verdict.alternative_row is not None and committed == len(verdict.tokens):
-            source_row, target_row = first_row + verdict.alternative_row, kv_length - 1 - verified_from
-            cache.move_entry(verified_from + source_row, verified_from + target_row)
-            parts.drafter.keep_alternative(source_row, target_row)
+            moved_row = (first_row + verdict.alternative_row, kv_length - 1 - verified_from)
+            cache.move_entry(verified_from + moved_row[0], verified_from + moved_row[1])
+        # a prefill's time says nothing about a step's
+        seconds = None if is_prefill else verified - started
+        parts.learn(StepOutcome(draft, verdict, committed, seconds, hidden, moved_row))
         cache.rollback(kv_length)
         parts.drafter.rollback(kv_length)
-        # a prefill's time says nothing about a step's
-        _adapt(parts, draft, verdict, committed, None if is_prefill else verified - started)
-        if drafted or not is_prefill:
-            _count(stats, verdict, drafted)
+        if draft.tokens or not is_prefill:
+            _count(stats, verdict, len(draft.tokens))
 
-    if streamer is not None:
-        streamer.end()
-    return DecodeResult(sequence[:, : state.length].clone(), stats, tuple(kept_scores), tuple(kept_logits))
+    if request.streamer is not None:
+        request.streamer.end()
+    return DecodeResult(state.sequence[:, : state.length].clone(), stats, tuple(kept_scores or ()), tuple(kept_logits))
+
+
+def _committed_prompt(request: DecodeRequest) -> DecodingState:
+    """The prompt in a buffer of `max_length` tokens, which the decode fills."""
+    prompt_length = request.input_ids.shape[1]
+    sequence = request.input_ids.new_zeros((1, request.max_length))
+    sequence[:, :prompt_length] = request.input_ids
+    positions = torch.arange(request.max_length, device=request.input_ids.device).unsqueeze(0)
+    return DecodingState(sequence, positions, prompt_length)
 
 
 def _commit(
@@ -207,18 +250,6 @@ def _commit(
         if bool(stopping_criteria(state.sequence[:, : state.length], scores).any()):
             return count, True
     return len(verdict.tokens), False
-
-
-def _adapt(parts: SpeculationParts, draft: Draft, verdict: Verdict, committed: int, seconds: float | None) -> None:
-    """Feed the step's outcome to every part that learns from it."""
-    if draft.tokens:
-        parts.exit_policy.update(verdict.accepted, len(draft.tokens))
-    parts.drafter.record(draft, verdict.accepted, committed, seconds)
-    if parts.gate.needs_confidence:
-        probabilities = torch.softmax(verdict.scores[-1], dim=-1)
-        parts.gate.update(float(probabilities[verdict.tokens[-1]]))
-    if seconds is not None:
-        parts.backoff.record(len(draft.tokens), committed, seconds)
 
 
 def _count(stats: StrategyStats, verdict: Verdict, drafted: int) -> None:

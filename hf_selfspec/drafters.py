@@ -1,4 +1,5 @@
-"""Who proposes tokens: the model with sub-layers skipped, a separate small model, or prompt lookup.
+"""Who drafts with a model: the model with sub-layers skipped, its first layers and a trained
+adapter, or a separate small model (prompt lookup, which runs none, is `lookup.py`).
 
 A drafter writes its proposals into the sequence buffer right after the committed tokens (the
 verifier overwrites whatever it rejects) and returns them with the distributions they were
@@ -7,7 +8,6 @@ drawn from, which speculative sampling needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,10 +17,8 @@ from transformers import DynamicCache
 
 from .adapter import DraftAdapter
 from .cache import DraftAwareCache, cache_keyword
-from .decoding_types import LOOKUP_SOURCE, DecodingState, Draft, Drafter
+from .decoding_types import DecodingState, Draft, Drafter, ExitPolicy, StepOutcome
 from .layer_skip import SkippingDecoder, decoder_layers
-from .lookup_corpus import LookupCorpus
-from .policies import VERBATIM_REACH, Backoff, DraftSourceChoice, ExitPolicy, LookupLength
 from .selection import TokenSelector
 
 
@@ -48,10 +46,9 @@ def _draft_autoregressively(
     selector: TokenSelector,
     alternatives: int = 0,
 ) -> Draft:
-    """Feed `sequence[start:length]`, then extend one token at a time until the exit fires.
+    """Feed `sequence[start:length]`, then extend one token at a time until the exit fires
+    (`ExitPolicy.exits_after`, the token that trips it kept).
 
-    The token whose confidence trips the exit is kept: its forward pass is already paid for, and
-    keeping it guarantees every drafting round gives the exit policy feedback to adapt on.
     Each token comes with up to `alternatives` runner-ups: the draft's likeliest other tokens
     (a sampled token need not be its likeliest), never one its scores rule out (a restricted
     head's -inf rows, a processor's bans).
@@ -70,7 +67,7 @@ def _draft_autoregressively(
             runner_ups = [i for v, i in zip(values, indices) if i != token and v > -float("inf")]
             draft.alternatives.append(runner_ups[:alternatives])
         start, end = end, end + 1
-        if float(distribution.max()) < exit_policy.threshold:
+        if exit_policy.exits_after(float(distribution.max())):
             break
     return draft
 
@@ -162,12 +159,7 @@ class ShallowExitDrafter(Drafter):
         self.committed_length = 0  # positions the verifier has computed, the adapter's backlog included
         self.backlog: list[torch.Tensor] = []  # shallow states of `adapter_length..committed_length`
         self.head: RestrictedDraftHead | None = None
-
-    def verification_hidden_state(self) -> int:
-        return self.exit_layer
-
-    def verified(self, hidden_states: torch.Tensor) -> None:
-        self.backlog.append(hidden_states)  # these positions follow the committed ones
+        self.hidden_layer = self.exit_layer
 
     def _next_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         shallow = self.shallow_layers.hidden_states(input_ids, position_ids, self.cache)
@@ -197,10 +189,13 @@ class ShallowExitDrafter(Drafter):
             )
             self.backlog, self.committed_length = [shallow], cached_length
 
-    def keep_alternative(self, source_row: int, target_row: int) -> None:
-        verification = self.backlog[-1].clone()
-        verification[:, target_row] = verification[:, source_row]
-        self.backlog[-1] = verification
+    def learn(self, outcome: StepOutcome) -> None:
+        verification = outcome.hidden  # these positions follow the committed ones
+        if outcome.moved_row is not None:  # an accepted alternative's state takes the rejected token's place
+            source_row, target_row = outcome.moved_row
+            verification = verification.clone()
+            verification[:, target_row] = verification[:, source_row]
+        self.backlog.append(verification)
 
     def rollback(self, committed_kv_length: int) -> None:
         excess = self.adapter_cache.get_seq_length() - self.adapter_length
@@ -232,167 +227,3 @@ class AssistantDrafter(Drafter):
     def rollback(self, committed_kv_length: int) -> None:
         self.kv_length = min(self.kv_length, committed_kv_length)
         self.cache.rollback(self.kv_length)
-
-
-@dataclass
-class LookupMatch:
-    """Where the text's current n-gram occurred before, and how far back the text agrees there."""
-
-    follow: int  # where the earlier occurrence's continuation starts
-    reach: int  # how many of the text's last tokens equal those before `follow` (the n-gram and on)
-
-
-def earliest_match(sequence: torch.Tensor, min_ngram: int, max_ngram: int, max_reach: int) -> LookupMatch | None:
-    """The earliest earlier occurrence of the longest matching suffix n-gram of the 1-D
-    `sequence` (None if no n-gram of `min_ngram` to `max_ngram` tokens recurs), with its reach
-    counted up to `max_reach`.
-
-    The earliest occurrence, as transformers' prompt lookup takes it: it is usually in the prompt
-    (a signature, a docstring example), with a long continuation behind it, while the latest is
-    often a repeat a few tokens back whose continuation the end of the text cuts short, so the
-    latest occurrence costs more verifications.
-    """
-    length = sequence.shape[0]
-    for ngram in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        pattern = sequence[-ngram:]
-        windows = sequence[:-1].unfold(0, ngram, 1)  # every earlier n-gram, by start index
-        starts = torch.nonzero((windows == pattern).all(dim=1)).flatten()
-        if starts.numel():
-            start = int(starts[0])
-            # windows end before the last token, so a continuation always exists
-            back = min(start, max(max_reach - ngram, 0))
-            before_match = sequence[start - back : start].flip(0)
-            before_end = sequence[length - ngram - back : length - ngram].flip(0)
-            agreeing = int((before_match == before_end).cumprod(0).sum()) if back else 0
-            return LookupMatch(follow=start + ngram, reach=ngram + agreeing)
-    return None
-
-
-class PromptLookupDrafter(Drafter):
-    """Copy the continuation of the earliest occurrence of the current n-gram, else what the
-    model itself wrote after it elsewhere (a lookup corpus, if given), else fall back to another
-    drafter, whose drafts stay within `max_draft_tokens`.
-
-    Code and edits repeat their own context (names, signatures, docstrings), so a matching
-    n-gram often predicts several tokens at no model cost; where nothing matches, the model-based
-    fallback still proposes. How much of a match is proposed is `length`'s to decide for the
-    text and `corpus_length`'s for the corpus: the two are copied at different rates (a
-    translation copies its own text for dozens of tokens while the corpus, in another language,
-    is cut at once), and one length for both let each source's cuts shorten the other's
-    proposals. Where both lookup and the model could propose, `sources` picks which one does;
-    all of them learn from every verification.
-
-    Where the text has no match, the corpus and then the model propose only while their
-    back-offs (`corpus_backoff`, `model_backoff`) let them: each weighs the steps its source
-    proposed against the steps it did not, by which committed tokens more cheaply in this
-    request. The loop's own back-off cannot tell: it weighs speculation as a whole, and where
-    the text copies (a translation looping on itself) lookup's long accepted runs keep
-    speculation ahead, while the proposals at the steps between them, on text the corpus or the
-    model predicts poorly (the corpus may not even be in the text's language), are rejected one
-    after another and cost more than the plain steps they replace. One back-off for both would
-    let the model's rejected drafts silence a corpus that pays (open writing in the corpus's
-    own style).
-    """
-
-    TEXT, CORPUS, MODEL = "text", "corpus", "model"
-
-    def __init__(
-        self,
-        fallback: Drafter,
-        min_ngram: int,
-        max_ngram: int,
-        length: LookupLength,
-        max_draft_tokens: int,
-        sources: DraftSourceChoice,
-        model_backoff: Backoff,
-        corpus: LookupCorpus | None = None,
-        corpus_length: LookupLength | None = None,
-        corpus_backoff: Backoff | None = None,
-    ):
-        if corpus is not None and (corpus_length is None or corpus_backoff is None):
-            raise ValueError("a lookup corpus needs a corpus_length and a corpus_backoff of its own")
-        self.fallback, self.length, self.sources = fallback, length, sources
-        self.corpus, self.corpus_length, self.corpus_backoff = corpus, corpus_length, corpus_backoff
-        self.min_ngram, self.max_ngram, self.max_draft_tokens = min_ngram, max_ngram, max_draft_tokens
-        self.model_backoff = model_backoff
-        # The step being verified: which source proposed (None: a plain step), and the back-offs
-        # that decided it, each with the source it governs.
-        self.proposer: str | None = None
-        self.asked: list[tuple[Backoff, str]] = []
-
-    def propose_free(self, state, max_tokens):
-        draft = self._copy_text(state, max_tokens)
-        return draft if draft.tokens else self._copy_corpus(state, max_tokens)
-
-    def propose(self, state, max_tokens, exit_policy, selector):
-        self.asked = []
-        draft = self._copy_text(state, max_tokens)
-        if not draft.tokens:
-            corpus_draft = self._copy_corpus(state, max_tokens)
-            if corpus_draft.tokens:
-                self.asked.append((self.corpus_backoff, self.CORPUS))
-                if self.corpus_backoff.should_speculate():
-                    draft = corpus_draft
-        if draft.tokens and self.sources.lookup_first():
-            return draft
-        if not draft.tokens:
-            self.asked.append((self.model_backoff, self.MODEL))
-            if not self.model_backoff.should_speculate():
-                self.proposer = None
-                return draft  # empty: a plain step
-        self.proposer = self.MODEL
-        return self.fallback.propose(state, min(max_tokens, self.max_draft_tokens), exit_policy, selector)
-
-    def propose_verbatim(self, state, max_tokens):
-        return self._copy_text(state, max_tokens, min_reach=VERBATIM_REACH)
-
-    def _copy_text(self, state: DecodingState, max_tokens: int, min_reach: int = 1) -> Draft:
-        text = state.sequence[0, : state.length]
-        match = earliest_match(text, self.min_ngram, self.max_ngram, max(self.length.max_proposal_tokens, min_reach))
-        if match is None or match.reach < min_reach:
-            return self._written(state, [], self.TEXT)
-        tokens = text[match.follow : match.follow + min(max_tokens, self.length.tokens_for(match.reach))]
-        return self._written(state, tokens.tolist(), self.TEXT)
-
-    def _copy_corpus(self, state: DecodingState, max_tokens: int) -> Draft:
-        if self.corpus is None:
-            return Draft(source=LOOKUP_SOURCE)
-        text = state.sequence[0, : state.length]
-        tokens = self.corpus.continuation(text, self.min_ngram, self.max_ngram, min(max_tokens, self.corpus_length.tokens))
-        return self._written(state, tokens, self.CORPUS)
-
-    def _written(self, state: DecodingState, tokens: list[int], source: str) -> Draft:
-        if tokens:
-            state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens)
-        self.proposer = source if tokens else None
-        return Draft(tokens=tokens, source=LOOKUP_SOURCE)
-
-    def record(self, draft: Draft, accepted: int, committed: int, seconds: float | None) -> None:
-        if seconds is not None:
-            for backoff, source in self.asked:
-                backoff.record(len(draft.tokens) if source == self.proposer else 0, committed, seconds)
-        self.asked = []
-        if not draft.tokens:
-            return
-        from_lookup = draft.source == LOOKUP_SOURCE
-        if from_lookup:
-            (self.length if self.proposer == self.TEXT else self.corpus_length).update(len(draft.tokens), accepted)
-        else:
-            self.fallback.record(draft, accepted, committed, seconds)
-        if seconds is not None:
-            self.sources.record(from_lookup, committed, seconds)
-
-    def continue_from(self, state: DecodingState, cached_length: int) -> None:
-        self.fallback.continue_from(state, cached_length)
-
-    def rollback(self, committed_kv_length: int) -> None:
-        self.fallback.rollback(committed_kv_length)
-
-    def keep_alternative(self, source_row: int, target_row: int) -> None:
-        self.fallback.keep_alternative(source_row, target_row)
-
-    def verification_hidden_state(self) -> int | None:
-        return self.fallback.verification_hidden_state()
-
-    def verified(self, hidden_states: torch.Tensor) -> None:
-        self.fallback.verified(hidden_states)

@@ -28,7 +28,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollback_capable
-from .decoding import speculative_decode
+from .decoding import DecodeRequest, speculative_decode
 from .layer_skip import decoder_layers
 from .narrow_linear import stock_kernels, verifying
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
@@ -322,19 +322,16 @@ def _speculative_sample(
     )
     with rollback_view(filled_cache) as cache:
         parts = plan.strategy.build(model, plan.params, cache, plan.assistant_model)
-        result = speculative_decode(
-            model,
-            cache,
-            parts,
+        request = DecodeRequest(
             input_ids,
             TokenSelector(logits_processor, generation_config.do_sample),
             stopping_criteria,
             max_length=generation_config.max_length,
             max_proposal_tokens=plan.params.max_proposal_tokens,
-            stats=StrategyStats(strategy=plan.strategy.name),
             streamer=streamer,
             keep_scores=keep_scores,
         )
+        result = speculative_decode(model, cache, parts, request, StrategyStats(strategy=plan.strategy.name))
     if not generation_config.return_dict_in_generate:
         return result.sequences
     return SelfSpecGenerateOutput(

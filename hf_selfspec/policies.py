@@ -2,8 +2,9 @@
 speculate at all (back-offs), how long a lookup proposal is (lookup lengths), and whether a
 lookup proposal or the model's draft is verified (draft source choices).
 
-All are tiny state machines fed by the decoding loop after every step, so a strategy changes
-behaviour by choosing which ones to compose, never by copying the loop.
+All are tiny state machines, each learning from every verification's outcome through one
+method (`learn`), so a strategy changes behaviour by choosing which ones to compose, never by
+copying the loop.
 """
 
 from __future__ import annotations
@@ -11,15 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 
-class ExitPolicy:
-    """A fixed exit: stop drafting once the draft's top probability falls under `threshold`."""
-
-    def __init__(self, threshold: float):
-        self.threshold = threshold
-
-    def update(self, accepted: int, drafted: int) -> None:
-        """Called after each verification of a non-empty draft."""
+from .decoding_types import MODEL_SOURCE, ExitPolicy, StepOutcome
 
 
 class AdaptiveExitPolicy(ExitPolicy):
@@ -46,7 +41,10 @@ class AdaptiveExitPolicy(ExitPolicy):
         self.threshold_ema = threshold_ema
         self.acceptance_rate = target_acceptance
 
-    def update(self, accepted: int, drafted: int) -> None:
+    def learn(self, outcome: StepOutcome) -> None:
+        if not outcome.draft.tokens:
+            return
+        accepted, drafted = outcome.verdict.accepted, len(outcome.draft.tokens)
         self.acceptance_rate = self.acceptance_ema * self.acceptance_rate + (1 - self.acceptance_ema) * (
             accepted / drafted
         )
@@ -60,13 +58,11 @@ class AdaptiveExitPolicy(ExitPolicy):
 class Gate:
     """Always draft."""
 
-    needs_confidence = False
-
     def should_draft(self) -> bool:
         return True
 
-    def update(self, confidence: float) -> None:
-        """Called with the verifier's probability of the token it just committed."""
+    def learn(self, outcome: StepOutcome) -> None:
+        """Called after every verification."""
 
 
 class TargetConfidenceGate(Gate):
@@ -77,8 +73,6 @@ class TargetConfidenceGate(Gate):
     step decodes plainly, and drafting resumes once the verifier's confidence returns.
     """
 
-    needs_confidence = True
-
     def __init__(self, threshold: float):
         self.threshold = threshold
         self.confident = True
@@ -86,24 +80,27 @@ class TargetConfidenceGate(Gate):
     def should_draft(self) -> bool:
         return self.confident
 
-    def update(self, confidence: float) -> None:
+    def learn(self, outcome: StepOutcome) -> None:
+        """Reads the verifier's probability of the newest token it committed."""
+        verdict = outcome.verdict
+        confidence = float(torch.softmax(verdict.scores[-1], dim=-1)[verdict.tokens[-1]])
         self.confident = confidence >= self.threshold
 
 
 class Backoff:
     """Never back off: speculate at every step the room allows."""
 
-    # Whether a verbatim repeat (`Drafter.propose_verbatim`) is verified even at a step where
-    # this back-off says not to speculate; a back-off that refuses keeps decoding plain unless
-    # it says so.
+    # Whether a verbatim repeat of the text (`PromptLookup.verbatim`) is verified even at a step
+    # where this back-off says not to speculate; a back-off that refuses keeps decoding plain
+    # unless it says so.
     verifies_verbatim = False
 
     def should_speculate(self) -> bool:
         return True
 
-    def record(self, drafted: int, committed: int, seconds: float) -> None:
-        """Called after every step but the prefill: how many tokens were proposed (0 for a
-        plain step), how many it committed, and what proposing and verifying took."""
+    def learn(self, outcome: StepOutcome) -> None:
+        """Called after every verification; the prefill's (`seconds` None) tells nothing of a
+        step's cost."""
 
 
 @dataclass
@@ -174,7 +171,7 @@ class _CheaperOfTwo:
             wait = min(wait, max(1, math.ceil(margin / self._PROBE_BUDGET)))
         return wins != (loser.steps_since_run >= wait)
 
-    def record(self, favoured_ran: bool, committed: int, seconds: float) -> None:
+    def measure(self, favoured_ran: bool, committed: int, seconds: float) -> None:
         ran, idle = (self.favoured, self.other) if favoured_ran else (self.other, self.favoured)
         compared = self._compared()
         wins_before = compared and self._favoured_wins()
@@ -232,8 +229,9 @@ class ThroughputBackoff(Backoff):
     def should_speculate(self) -> bool:
         return self.modes.favoured_runs()
 
-    def record(self, drafted: int, committed: int, seconds: float) -> None:
-        self.modes.record(bool(drafted), committed, seconds)
+    def learn(self, outcome: StepOutcome) -> None:
+        if outcome.seconds is not None:
+            self.modes.measure(bool(outcome.draft.tokens), outcome.committed, outcome.seconds)
 
 
 class LookupLength:
@@ -252,8 +250,8 @@ class LookupLength:
         text's last tokens equal those before the matched continuation."""
         return self.tokens
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """Called after each verification of a lookup proposal of `proposed` tokens."""
+    def learn(self, outcome: StepOutcome) -> None:
+        """Called after each verification of a proposal of this length's source only."""
 
 
 # A lookup match whose text agrees with the end of the text for this many tokens or more (its
@@ -301,7 +299,8 @@ class AdaptiveLookupLength(LookupLength):
             self.tokens = max(self.tokens, min(reach, self.max_tokens))
         return self.tokens
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def learn(self, outcome: StepOutcome) -> None:
+        proposed, accepted = len(outcome.draft.tokens), outcome.verdict.accepted
         if accepted >= proposed:
             self.tokens = min(2 * self.tokens, self.max_tokens)
         else:
@@ -315,13 +314,11 @@ class DraftSourceChoice:
         """Asked only where lookup has a proposal and the model may draft; changes nothing."""
         return True
 
-    def record(self, lookup: bool, committed: int, seconds: float) -> None:
-        """Called after every verified proposal but the prefill's: whether lookup proposed it
-        (else the model drafted), how many tokens it committed, and what drafting and
-        verifying took."""
+    def learn(self, outcome: StepOutcome) -> None:
+        """Called after every verification."""
 
 
-class CheaperDraftSource(_CheaperOfTwo, DraftSourceChoice):
+class CheaperDraftSource(DraftSourceChoice):
     """Verify whichever source has committed tokens more cheaply so far in this request.
 
     A lookup proposal costs no forward pass, so lookup goes first until both sources are
@@ -336,6 +333,12 @@ class CheaperDraftSource(_CheaperOfTwo, DraftSourceChoice):
     _FIRST_LOOKUP_STEPS = 8
 
     def __init__(self, probe_interval: int):
-        super().__init__(probe_interval, self._FIRST_LOOKUP_STEPS)
+        self.sources = _CheaperOfTwo(probe_interval, self._FIRST_LOOKUP_STEPS)  # lookup is the favoured one
 
-    lookup_first = _CheaperOfTwo.favoured_runs  # lookup is the favoured source; `record` is the two-way one's
+    def lookup_first(self) -> bool:
+        return self.sources.favoured_runs()
+
+    def learn(self, outcome: StepOutcome) -> None:
+        """Measures every verified proposal but the prefill's, whichever way it was chosen."""
+        if outcome.draft.tokens and outcome.seconds is not None:
+            self.sources.measure(outcome.draft.source != MODEL_SOURCE, outcome.committed, outcome.seconds)

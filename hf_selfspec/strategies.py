@@ -1,4 +1,5 @@
-"""Strategies: named compositions of a drafter, an exit policy and a gate, and their registry.
+"""Strategies: named compositions of a drafter, an exit policy, a gate, a back-off and prompt
+lookup's sources, and their registry.
 
 A user strategy subclasses `Strategy`, overrides the factory it wants to change and registers
 itself; the decoding loop, the verifier and every `generate` feature come with it unchanged:
@@ -19,10 +20,11 @@ from .cache import DraftAwareCache
 from .decoding import SpeculationParts
 from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
-from .decoding_types import Drafter
-from .drafters import AssistantDrafter, LayerSkipDrafter, PromptLookupDrafter, ShallowExitDrafter
+from .decoding_types import Drafter, ExitPolicy
+from .drafters import AssistantDrafter, LayerSkipDrafter, ShallowExitDrafter
 from .layer_skip import SkippingDecoder
-from .lookup_corpus import LookupCorpus, load_lookup_corpus
+from .lookup import CorpusLookup, PromptLookup, TextLookup
+from .lookup_corpus import load_lookup_corpus
 from .params import PARAM_NAMES, SelfSpecParams
 from .policies import (
     AdaptiveExitPolicy,
@@ -30,7 +32,6 @@ from .policies import (
     Backoff,
     CheaperDraftSource,
     DraftSourceChoice,
-    ExitPolicy,
     Gate,
     LookupLength,
     TargetConfidenceGate,
@@ -84,7 +85,7 @@ class Strategy:
 
     def build_unmatched_backoff(self, params: SelfSpecParams) -> Backoff:
         """Whether the corpus, or the model, proposes where the text itself has nothing to copy
-        (`PromptLookupDrafter` asks one for each); on and off with the loop's back-off."""
+        (`PromptLookup` asks one for each); on and off with the loop's back-off."""
         if params.backoff_probe_interval:
             return ThroughputBackoff(params.backoff_probe_interval, self.UNMATCHED_FIRST_STEPS)
         return Backoff()
@@ -101,21 +102,23 @@ class Strategy:
             return CheaperDraftSource(params.draft_source_probe_interval)
         return DraftSourceChoice()
 
-    def with_prompt_lookup(self, drafter: Drafter, params: SelfSpecParams, corpus: LookupCorpus | None) -> Drafter:
-        """`drafter` behind prompt lookup, if the parameters ask for lookup."""
+    def build_lookup(self, model: nn.Module, params: SelfSpecParams) -> PromptLookup | None:
+        """Prompt lookup's sources beside the model's draft, if the parameters ask for lookup."""
         if not params.prompt_lookup_tokens:
-            return drafter
-        return PromptLookupDrafter(
-            drafter,
-            params.prompt_lookup_min_ngram,
-            params.prompt_lookup_ngram,
-            self.build_lookup_length(params),
-            params.max_draft_tokens,
+            return None
+        ngrams = params.prompt_lookup_min_ngram, params.prompt_lookup_ngram
+        corpus = None
+        if params.lookup_corpus:
+            corpus = CorpusLookup(
+                load_lookup_corpus(model, params.lookup_corpus), *ngrams, self.build_lookup_length(params),
+                self.build_unmatched_backoff(params),
+            )
+        return PromptLookup(
+            TextLookup(*ngrams, self.build_lookup_length(params)),
+            corpus,
             self.build_draft_source_choice(params),
             self.build_unmatched_backoff(params),
-            corpus,
-            self.build_lookup_length(params) if corpus is not None else None,
-            self.build_unmatched_backoff(params) if corpus is not None else None,
+            params.max_draft_tokens,
         )
 
     def build_model_drafter(
@@ -146,24 +149,40 @@ class Strategy:
         return LayerSkipDrafter(model, cache, decoder, params.draft_vocab_size, params.draft_alternatives)
 
     def build_drafter(
-        self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None
+        self,
+        model: nn.Module,
+        params: SelfSpecParams,
+        cache: DraftAwareCache,
+        assistant_model: nn.Module | None,
+        model_drafter: Drafter | None = None,
     ) -> Drafter:
-        drafter = self.build_model_drafter(model, params, cache, assistant_model)
-        corpus = load_lookup_corpus(model, params.lookup_corpus) if params.lookup_corpus else None
-        return self.with_prompt_lookup(drafter, params, corpus)
+        """What drafts where the model may: `model_drafter` where one is given (the tuner's
+        estimate gives its prediction), else the model's own draft (`build_model_drafter`). A
+        strategy with a drafter of its own returns it here, and keeps it under the estimate."""
+        if model_drafter is not None:
+            return model_drafter
+        return self.build_model_drafter(model, params, cache, assistant_model)
 
     def build(
-        self, model: nn.Module, params: SelfSpecParams, cache: DraftAwareCache, assistant_model: nn.Module | None = None
+        self,
+        model: nn.Module,
+        params: SelfSpecParams,
+        cache: DraftAwareCache,
+        assistant_model: nn.Module | None = None,
+        model_drafter: Drafter | None = None,
     ) -> SpeculationParts:
+        """The strategy's parts for one decode; `model_drafter`, where given, stands in for the
+        model's own draft and the rest of the composition stays as it is."""
         if assistant_model is not None and not self.accepts_assistant_model:
             raise ValueError(f"strategy {self.name!r} drafts with the model itself and does not take assistant_model")
         if assistant_model is not None:
             check_assistant(model, assistant_model)
         return SpeculationParts(
-            drafter=self.build_drafter(model, params, cache, assistant_model),
+            drafter=self.build_drafter(model, params, cache, assistant_model, model_drafter),
             exit_policy=self.build_exit_policy(params),
             gate=self.build_gate(params),
             backoff=self.build_backoff(params),
+            lookup=self.build_lookup(model, params),
         )
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import copy
 import dataclasses
 import itertools
 import logging
@@ -48,15 +47,14 @@ from transformers import DynamicCache, LogitsProcessorList, MaxLengthCriteria, S
 
 from hf_selfspec.adapter import DraftAdapter, load_adapter, read_adapter_shape
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.decoding import WallClock, speculative_decode
-from hf_selfspec.decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter
+from hf_selfspec.decoding import DecodeRequest, Runtime, WallClock, speculative_decode
+from hf_selfspec.decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter, ExitPolicy
 from hf_selfspec.drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
 from hf_selfspec.masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from hf_selfspec.layer_skip import SkippingDecoder, decoder_layers
 from hf_selfspec.measure import forward_timings, timed, timed_generate
 from hf_selfspec.narrow_linear import verifying
 from hf_selfspec.params import SelfSpecParams, resolve_params
-from hf_selfspec.policies import ExitPolicy
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
 from hf_selfspec.strategies import PLAIN, Strategy, resolve_strategy
@@ -347,69 +345,10 @@ def calibrate(
     would move every trial's estimate.
     """
     timer = timer or device_timer(model.device)
-    cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
-    inputs = {name: tensor.to(model.device) for name, tensor in sample.prompt.inputs.items()}
-    prompt_ids = inputs["input_ids"]
-    prefill_cache = DraftAwareCache()
-
-    def prefill() -> None:
-        prefill_cache.rollback(0)
-        _forward(model, prompt_ids, 0, prefill_cache, 1)
-
     # The seconds of every forward pass in each timed plain decode: on the stock kernels, as plain
     # decoding runs, and on the verifier's.
     plain_forwards: list[list[float]] = []
     verifier_forwards: list[list[float]] = []
-
-    def decode_plainly(kernels: Callable[[], contextlib.AbstractContextManager]) -> list[float]:
-        # Stopped where plain decoding stopped, so that it decodes exactly the sample's reference.
-        kwargs = {"do_sample": False, **generate_kwargs, "max_new_tokens": len(sample.reference)}
-        with kernels(), forward_timings(model) as forwards:
-            model.generate(**inputs, strategy=PLAIN, **kwargs)
-        return [seconds for _, seconds in forwards]
-
-    def plain_decode() -> None:
-        plain_forwards.append(decode_plainly(contextlib.nullcontext))
-
-    def plain_decode_on_verifier_kernels() -> None:
-        verifier_forwards.append(decode_plainly(partial(verifying, model)))
-
-    def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
-        sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
-        sequence[0, : kv_length + 1] = text
-        state = DecodingState(sequence, torch.arange(sequence.shape[1], device=text.device)[None], kv_length + 1)
-        selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
-
-        def run():
-            drafter.propose(state, _CALIBRATION_TOKENS, never_exit, selector)
-            cache.rollback(kv_length)
-            drafter.rollback(kv_length)
-
-        run()  # untimed: an adapter's first draft also takes in the committed text
-        return run
-
-    def skipping(attn_skip: Sequence[int], mlp_skip: Sequence[int]) -> Callable[[], None]:
-        return draft_run(LayerSkipDrafter(model, cache, SkippingDecoder(model, attn_skip, mlp_skip)), cache)
-
-    def adapter_draft(path: str) -> Callable[[], None]:
-        # A prefill of its own handed to the drafter, so that the adapter's attention spans the
-        # committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
-        own_cache = DraftAwareCache(model.config)
-        drafter = ShallowExitDrafter(model, own_cache, load_adapter(model, path))
-        layer = drafter.verification_hidden_state()
-        prefill = _forward(model, text[None, :kv_length], 0, own_cache, 1, output_hidden_states=[layer])
-        drafter.verified(prefill.hidden_states[layer])
-        drafter.rollback(kv_length)
-        return draft_run(drafter, own_cache)
-
-    # The head alone, timed directly: its share of a draft step is too small to read off
-    # whole-step timings through their noise.
-    hidden = torch.zeros((1, model.config.hidden_size), dtype=model.dtype, device=text.device)
-
-    def head_run(head: Callable[[torch.Tensor], Any]) -> Callable[[], None]:
-        return lambda: [head(hidden) for _ in range(_HEAD_CALLS)]
-
-    all_but_first = tuple(range(1, num_layers))
     verifications = verification_runs(model, verified_after or (sample,), verification_knots(max_verify_tokens))
     runs: dict[Any, Callable[[], Any]] = {
         # every width once, then again, so that a width's timings within a round are apart
@@ -418,15 +357,8 @@ def calibrate(
             for repeat in range(_VERIFY_TIMINGS_PER_ROUND)
             for width, run in verifications.items()
         },
-        "full": skipping((), ()),
-        "one attention": skipping(all_but_first, ()),
-        "one mlp": skipping((), all_but_first),
-        "full head": head_run(model.get_output_embeddings()),
-        **{("head", size): head_run(RestrictedDraftHead(model, size, text[:1])) for size in _HEAD_SIZES},
-        **{path: adapter_draft(path) for path in draft_adapters},
-        "prefill": prefill,
-        "plain": plain_decode,
-        "plain on the verifier's kernels": plain_decode_on_verifier_kernels,
+        **_draft_runs(model, sample, num_layers, draft_adapters),
+        **_plain_runs(model, sample, generate_kwargs, plain_forwards, verifier_forwards),
     }
     timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
     seconds = {name: typical_seconds(timed) for name, timed in timings.items()}
@@ -444,6 +376,103 @@ def calibrate(
         overhead_per_step(total - sum(forwards), sum(forwards), priced_plain, steps)
         for total, forwards in zip(timings["plain"], plain_forwards, strict=True)
     )
+    return CostModel(
+        num_layers=num_layers,
+        verify_seconds=verify_seconds,
+        plain_step_overhead=plain_step_overhead,
+        plain_forward_seconds=plain_forward_seconds,
+        **_draft_prices(seconds, num_layers, draft_adapters),
+    )
+
+
+def _plain_runs(
+    model,
+    sample: TeacherForcedPrompt,
+    generate_kwargs: Mapping[str, Any],
+    plain_forwards: list[list[float]],
+    verifier_forwards: list[list[float]],
+) -> dict[str, Callable[[], None]]:
+    """`calibrate`'s runs of the prompt's prefill and of plain decodes of `sample`, each decode
+    appending the seconds of its forward passes to `plain_forwards` (on the stock kernels) or
+    `verifier_forwards` (on the verifier's)."""
+    inputs = {name: tensor.to(model.device) for name, tensor in sample.prompt.inputs.items()}
+    prompt_ids = inputs["input_ids"]
+    prefill_cache = DraftAwareCache()
+
+    def prefill() -> None:
+        prefill_cache.rollback(0)
+        _forward(model, prompt_ids, 0, prefill_cache, 1)
+
+    def decode_plainly(kernels: Callable[[], contextlib.AbstractContextManager]) -> list[float]:
+        # Stopped where plain decoding stopped, so that it decodes exactly the sample's reference.
+        kwargs = {"do_sample": False, **generate_kwargs, "max_new_tokens": len(sample.reference)}
+        with kernels(), forward_timings(model) as forwards:
+            model.generate(**inputs, strategy=PLAIN, **kwargs)
+        return [seconds for _, seconds in forwards]
+
+    def plain_decode() -> None:
+        plain_forwards.append(decode_plainly(contextlib.nullcontext))
+
+    def plain_decode_on_verifier_kernels() -> None:
+        verifier_forwards.append(decode_plainly(partial(verifying, model)))
+
+    return {"prefill": prefill, "plain": plain_decode, "plain on the verifier's kernels": plain_decode_on_verifier_kernels}
+
+
+def _draft_runs(
+    model, sample: TeacherForcedPrompt, num_layers: int, draft_adapters: Sequence[str]
+) -> dict[Any, Callable[[], None]]:
+    """`calibrate`'s runs of the draft after `sample`'s text: the full model, one attention and
+    one MLP sub-layer, the LM head whole and restricted, and each trained adapter's draft."""
+    cache, text, kv_length = sample.cache, sample.full_text, sample.kv_length
+
+    def draft_run(drafter: Drafter, cache: DraftAwareCache) -> Callable[[], None]:
+        sequence = torch.zeros((1, kv_length + 1 + _CALIBRATION_TOKENS), dtype=text.dtype, device=text.device)
+        sequence[0, : kv_length + 1] = text
+        state = DecodingState(sequence, torch.arange(sequence.shape[1], device=text.device)[None], kv_length + 1)
+        selector, never_exit = TokenSelector(LogitsProcessorList(), do_sample=False), ExitPolicy(0.0)
+        drafter.continue_from(state, kv_length)
+
+        def run():
+            drafter.propose(state, _CALIBRATION_TOKENS, never_exit, selector)
+            cache.rollback(kv_length)
+            drafter.rollback(kv_length)
+
+        run()  # untimed: an adapter's first draft also takes in the committed text
+        return run
+
+    def skipping(attn_skip: Sequence[int], mlp_skip: Sequence[int]) -> Callable[[], None]:
+        return draft_run(LayerSkipDrafter(model, cache, SkippingDecoder(model, attn_skip, mlp_skip)), cache)
+
+    def adapter_draft(path: str) -> Callable[[], None]:
+        # A prefill of its own, which the drafter continues from, so that the adapter's attention
+        # spans the committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
+        own_cache = DraftAwareCache(model.config)
+        _forward(model, text[None, :kv_length], 0, own_cache, 1)
+        return draft_run(ShallowExitDrafter(model, own_cache, load_adapter(model, path)), own_cache)
+
+    # The head alone, timed directly: its share of a draft step is too small to read off
+    # whole-step timings through their noise.
+    hidden = torch.zeros((1, model.config.hidden_size), dtype=model.dtype, device=text.device)
+
+    def head_run(head: Callable[[torch.Tensor], Any]) -> Callable[[], None]:
+        return lambda: [head(hidden) for _ in range(_HEAD_CALLS)]
+
+    all_but_first = tuple(range(1, num_layers))
+    return {
+        "full": skipping((), ()),
+        "one attention": skipping(all_but_first, ()),
+        "one mlp": skipping((), all_but_first),
+        "full head": head_run(model.get_output_embeddings()),
+        **{("head", size): head_run(RestrictedDraftHead(model, size, text[:1])) for size in _HEAD_SIZES},
+        **{path: adapter_draft(path) for path in draft_adapters},
+    }
+
+
+def _draft_prices(seconds: Mapping[Any, float], num_layers: int, draft_adapters: Sequence[str]) -> dict[str, Any]:
+    """The cost model's draft prices from the typical `seconds` of `_draft_runs`' runs: each
+    sub-layer's, read off the full draft against one with a single attention or MLP left; the
+    restricted head's, as a line between its two timed sizes."""
     full, one_attention, one_mlp = (seconds[name] / _CALIBRATION_TOKENS for name in ("full", "one attention", "one mlp"))
     heads = ("full head", *(("head", size) for size in _HEAD_SIZES))
     full_head, small_head, large_head = (seconds[name] / _HEAD_CALLS for name in heads)
@@ -451,18 +480,14 @@ def calibrate(
     attention_seconds = (full - one_attention) / spread
     mlp_seconds = (full - one_mlp) / spread
     per_row = (large_head - small_head) / (_HEAD_SIZES[1] - _HEAD_SIZES[0])
-    return CostModel(
-        num_layers=num_layers,
-        verify_seconds=verify_seconds,
-        plain_step_overhead=plain_step_overhead,
-        plain_forward_seconds=plain_forward_seconds,
-        draft_constant=full - num_layers * (attention_seconds + mlp_seconds),
-        attention_seconds=attention_seconds,
-        mlp_seconds=mlp_seconds,
-        restricted_head_constant=small_head - full_head - _HEAD_SIZES[0] * per_row,
-        restricted_head_per_row=per_row,
-        adapter_draft_seconds={path: seconds[path] / _CALIBRATION_TOKENS for path in draft_adapters},
-    )
+    return {
+        "draft_constant": full - num_layers * (attention_seconds + mlp_seconds),
+        "attention_seconds": attention_seconds,
+        "mlp_seconds": mlp_seconds,
+        "restricted_head_constant": small_head - full_head - _HEAD_SIZES[0] * per_row,
+        "restricted_head_per_row": per_row,
+        "adapter_draft_seconds": {path: seconds[path] / _CALIBRATION_TOKENS for path in draft_adapters},
+    }
 
 
 # The loop's probe: the full model drafting for itself, so that it drafts and verifies at every
@@ -664,7 +689,8 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
 
 class _PredictedDraft(Drafter):
     """The model's draft as the draft pass predicts it: what a real draft proposes after the
-    committed text, each token with its runner-ups, until the exit policy stops it."""
+    committed text, each token with its runner-ups, until the exit policy stops it (by the rule
+    a real draft stops by)."""
 
     def __init__(self, predictions: DraftPredictions, prompt_length: int):
         self.predictions, self.prompt_length = predictions, prompt_length
@@ -674,7 +700,7 @@ class _PredictedDraft(Drafter):
         draft = Draft()
         for token, confidence in self.predictions.chain(row, max_tokens):
             draft.tokens.append(token)
-            if confidence < exit_policy.threshold:
+            if exit_policy.exits_after(confidence):
                 break
         state.sequence[0, state.length : state.length + len(draft.tokens)] = torch.tensor(draft.tokens)
         draft.alternatives = self.predictions.alternatives[row : row + len(draft.tokens)]
@@ -751,27 +777,22 @@ def estimate_decode(
     model's verdicts, `draft`'s predictions for the model's draft, and `cost`'s prices for its
     clock. Everything else is the strategy's own composition: prompt lookup and its corpus, the
     gate, the exit policy, the back-off, a drafter of its own."""
-    strategy = copy.copy(resolve_strategy(strategy))
-    predicted = _PredictedDraft(draft, data.prompt_length)
+    strategy = resolve_strategy(strategy)
+    cache = DraftAwareCache()  # stays empty: the known verifier writes no KV
     # The model's draft would cost forward passes, which the estimate exists to save: wherever
     # the strategy builds it, it gets the prediction instead.
-    strategy.build_model_drafter = lambda model, params, cache, assistant_model: predicted
-    cache = DraftAwareCache()  # stays empty: the known verifier writes no KV
-    clock = PricedClock(cost, params, data.prefill_seconds)
-    result = speculative_decode(
-        model,
-        cache,
-        strategy.build(model, params, cache),
+    parts = strategy.build(model, params, cache, model_drafter=_PredictedDraft(draft, data.prompt_length))
+    request = DecodeRequest(
         data.full_text[None, : data.prompt_length],
         TokenSelector(LogitsProcessorList(), do_sample=False),
         # plain decoding stopped there (its EOS, if it reached one)
         StoppingCriteriaList([MaxLengthCriteria(data.prompt_length + len(data.reference))]),
         max_length=data.prompt_length + data.max_new_tokens,
         max_proposal_tokens=params.max_proposal_tokens,
-        stats=StrategyStats(strategy=strategy.name),
-        forward=_KnownVerifier(data, model.get_output_embeddings().weight.shape[0]),
-        clock=clock,
     )
+    clock = PricedClock(cost, params, data.prefill_seconds)
+    runtime = Runtime(_KnownVerifier(data, model.get_output_embeddings().weight.shape[0]), clock)
+    result = speculative_decode(model, cache, parts, request, StrategyStats(strategy=strategy.name), runtime)
     return clock.seconds, result.stats
 
 

@@ -17,13 +17,13 @@ from helpers.tuning import write_study_config
 
 from hf_selfspec import strategies
 from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.decoding import speculative_decode
-from hf_selfspec.decoding_types import DecodingState, Draft, Drafter
+from hf_selfspec.decoding import DecodeRequest, Runtime, model_forward, speculative_decode
+from hf_selfspec.decoding_types import DecodingState, Draft, Drafter, ExitPolicy
 from hf_selfspec.drafters import LayerSkipDrafter
 from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.measure import forward_timings, timed_generate
 from hf_selfspec.params import SelfSpecParams, resolve_params
-from hf_selfspec.policies import ExitPolicy, ThroughputBackoff
+from hf_selfspec.policies import ThroughputBackoff
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
 from helpers.adapters import random_adapter
@@ -102,11 +102,12 @@ def _decode(model, data: TeacherForcedPrompt, params: SelfSpecParams, strategy, 
     cache = DraftAwareCache(model.config)
     strategy = strategies.resolve_strategy(strategy)
     clock = PricedClock(cost, params, data.prefill_seconds)
+    request = DecodeRequest(prompt, TokenSelector(LogitsProcessorList(), False),
+                            StoppingCriteriaList([MaxLengthCriteria(max_length)]), max_length, params.max_proposal_tokens)
+    runtime = Runtime(model_forward(model, cache), clock)
     result = speculative_decode(
-        model, cache, strategy.build(model, params, cache), prompt, TokenSelector(LogitsProcessorList(), False),
-        StoppingCriteriaList([MaxLengthCriteria(max_length)]), max_length, params.max_proposal_tokens,
-        StrategyStats(strategy=strategy.name), clock=clock,
-    )  # fmt: skip
+        model, cache, strategy.build(model, params, cache), request, StrategyStats(strategy=strategy.name), runtime
+    )
     assert result.sequences[0].tolist() == data.full_text.tolist()  # lossless, as ever
     return clock.seconds, result.stats
 
@@ -244,7 +245,7 @@ def own_drafter_strategy(monkeypatch):
 
     def register(name: str, pattern) -> str:
         class OwnDrafter(strategies.Strategy):
-            def build_drafter(self, model, params, cache, assistant_model):
+            def build_drafter(self, model, params, cache, assistant_model, model_drafter=None):
                 return _PatternDrafter(pattern)
 
         monkeypatch.setitem(strategies._REGISTRY, name, OwnDrafter)

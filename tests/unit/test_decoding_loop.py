@@ -9,6 +9,7 @@ entries are each input's (position, token), so the cache says which text it hold
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -16,9 +17,9 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_selfspec.cache import CACHE_ARGUMENT, DraftAwareCache
-from hf_selfspec.decoding import SpeculationParts, speculative_decode
-from hf_selfspec.decoding_types import Draft, Drafter
-from hf_selfspec.policies import Backoff, ExitPolicy, Gate
+from hf_selfspec.decoding import DecodeRequest, SpeculationParts, speculative_decode
+from hf_selfspec.decoding_types import TEXT_SOURCE, Draft, Drafter, ExitPolicy
+from hf_selfspec.policies import Backoff, Gate
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
 
@@ -77,7 +78,7 @@ class ScriptedDrafter(Drafter):
         self.continued_from: list[int] = []
         self.records: list[tuple[int, int, bool]] = []  # (accepted, committed, timed)
         self.rollbacks: list[int] = []
-        self.kept_alternatives: list[tuple[int, int]] = []
+        self.moved_rows: list[tuple[int, int]] = []
 
     def propose(self, state, max_tokens, exit_policy, selector):
         self.limits.append(max_tokens)
@@ -91,29 +92,33 @@ class ScriptedDrafter(Drafter):
     def continue_from(self, state, cached_length):
         self.continued_from.append(cached_length)
 
-    def record(self, draft, accepted, committed, seconds):
-        self.records.append((accepted, committed, seconds is not None))
+    def learn(self, outcome):
+        self.records.append((outcome.verdict.accepted, outcome.committed, outcome.seconds is not None))
+        if outcome.moved_row is not None:
+            self.moved_rows.append(outcome.moved_row)
 
     def rollback(self, committed_kv_length):
         self.rollbacks.append(committed_kv_length)
 
-    def keep_alternative(self, source_row, target_row):
-        self.kept_alternatives.append((source_row, target_row))
 
+class ScriptedVerbatimLookup:
+    """Prompt lookup that offers only scripted verbatim proposals, free as lookup's are."""
 
-class VerbatimDrafter(ScriptedDrafter):
-    """A scripted drafter that also offers scripted verbatim proposals, free as lookup's are."""
+    def __init__(self, verbatim: list[Draft]):
+        self.script = list(verbatim)
+        self.limits: list[int] = []
 
-    def __init__(self, cache: DraftAwareCache, script: list[Draft], verbatim: list[Draft]):
-        super().__init__(cache, script)
-        self.verbatim = list(verbatim)
-        self.verbatim_limits: list[int] = []
-
-    def propose_verbatim(self, state, max_tokens):
-        self.verbatim_limits.append(max_tokens)
-        tokens = self.verbatim.pop(0).tokens[:max_tokens]
+    def verbatim(self, state, max_tokens):
+        self.limits.append(max_tokens)
+        tokens = self.script.pop(0).tokens[:max_tokens]
         state.sequence[0, state.length : state.length + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        return Draft(tokens)
+        return Draft(tokens, source=TEXT_SOURCE)
+
+    def free(self, state, max_tokens):
+        return Draft(source=TEXT_SOURCE)
+
+    def learn(self, outcome):
+        pass
 
 
 class HeldOff(Backoff):
@@ -127,8 +132,9 @@ class HeldOff(Backoff):
     def should_speculate(self):
         return False
 
-    def record(self, drafted, committed, seconds):
-        self.heard.append((drafted, committed))
+    def learn(self, outcome):
+        if outcome.seconds is not None:
+            self.heard.append((len(outcome.draft.tokens), outcome.committed))
 
 
 def decode(prompt_length: int, max_length: int, script: list[Draft], max_proposal_tokens: int = 4,
@@ -136,20 +142,20 @@ def decode(prompt_length: int, max_length: int, script: list[Draft], max_proposa
            backoff: Backoff | None = None, verbatim: list[Draft] | None = None):
     """Greedy decoding of TEXT's first `prompt_length` tokens up to `max_length`, as `generate`
     runs the loop: its result, the verifier, the drafter and the cache, for the test to inspect.
-    With `verbatim`, the drafter also offers those verbatim proposals when asked."""
+    With `verbatim`, a lookup offers those verbatim proposals when asked (`drafter.lookup`)."""
     cache = DraftAwareCache() if cache is None else cache
     verifier = ScriptedVerifier()
-    drafter = ScriptedDrafter(cache, script) if verbatim is None else VerbatimDrafter(cache, script, verbatim)
+    drafter = ScriptedDrafter(cache, script)
+    drafter.lookup = None if verbatim is None else ScriptedVerbatimLookup(verbatim)
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length)])
     if eos_token_id is not None:
         criteria.append(EosTokenCriteria(eos_token_id))
-    result = speculative_decode(
-        verifier, cache, SpeculationParts(drafter, ExitPolicy(0.0), Gate(), Backoff() if backoff is None else backoff),
-        torch.tensor([TEXT[:prompt_length]]), TokenSelector(LogitsProcessorList(), do_sample=False), criteria,
-        max_length, max_proposal_tokens, StrategyStats(),
-    )
+    parts = SpeculationParts(drafter, ExitPolicy(0.0), Gate(), Backoff() if backoff is None else backoff, drafter.lookup)
+    selector = TokenSelector(LogitsProcessorList(), do_sample=False)
+    request = DecodeRequest(torch.tensor([TEXT[:prompt_length]]), selector, criteria, max_length, max_proposal_tokens)
+    result = speculative_decode(verifier, cache, parts, request, StrategyStats())
     assert drafter.script == []  # the loop asked for every scripted draft, and for no more
-    assert verbatim is None or drafter.verbatim == []
+    assert verbatim is None or drafter.lookup.script == []
     return result, verifier, drafter, cache
 
 
@@ -194,7 +200,7 @@ def test_while_the_backoff_holds_speculation_off_only_verbatim_proposals_are_ver
     result, verifier, drafter, cache = decode(prompt_length=3, max_length=10, script=[], backoff=backoff,
                                               verbatim=[Draft([]), Draft(TEXT[4:7]), Draft([WRONG])])
     assert result.sequences.tolist() == [TEXT[:10]]
-    assert drafter.limits == [] and drafter.verbatim_limits == [4, 4, 1]
+    assert drafter.limits == [] and drafter.lookup.limits == [4, 4, 1]
     assert counters(result.stats) == {
         "strategy": "", "drafted_tokens": 3 + 1, "accepted_tokens": 3, "acceptance_rate": 3 / 4,
         "mean_accepted_length": 3 / 2, "verification_steps": 2, "plain_steps": 1, "accepted_alternatives": 0,
@@ -207,7 +213,7 @@ def test_while_the_backoff_holds_speculation_off_only_verbatim_proposals_are_ver
     result, verifier, drafter, cache = decode(prompt_length=3, max_length=10, script=[],
                                               backoff=HeldOff(verifies_verbatim=False), verbatim=[])
     assert result.sequences.tolist() == [TEXT[:10]]
-    assert drafter.verbatim_limits == [] and result.stats.plain_steps == 6
+    assert drafter.lookup.limits == [] and result.stats.plain_steps == 6
 
 
 def test_an_eos_inside_an_accepted_draft_ends_the_text_there():
@@ -238,7 +244,7 @@ def test_an_accepted_alternative_moves_its_kv_to_the_token_it_replaced():
     }
     # The chain (the newest committed token and 3 drafted), then both alternatives at position 5.
     assert verifier.calls[1] == (3, [3, 4, 5, 6, 5, 5])
-    assert drafter.kept_alternatives == [(5, 2)]  # rows counted from the verification's first input
+    assert drafter.moved_rows == [(5, 2)]  # rows counted from the verification's first input
     assert drafter.records == [(0, 1, False), (2, 3, True), (0, 1, True)]
     assert cached_text(cache) == entries_of(TEXT[:7])
 
@@ -260,3 +266,22 @@ def test_a_prompt_that_fills_max_length_runs_no_forward():
     assert result.sequences.tolist() == [TEXT[:4]]
     assert verifier.calls == [] and drafter.rollbacks == []
     assert counters(result.stats) == counters(StrategyStats())
+
+
+def test_the_loops_contract_stays_small():
+    """The loop reads on one screen: it takes few inputs, calls a drafter through few methods,
+    and every part that adapts learns through one method, from one outcome record."""
+    from hf_selfspec import drafters, lookup, policies
+
+    assert len(inspect.signature(speculative_decode).parameters) <= 7
+    drafter_methods = {name for name, value in vars(Drafter).items() if callable(value) and not name.startswith("_")}
+    assert drafter_methods == {"propose", "learn", "rollback", "continue_from"}
+    adaptive = [
+        Drafter, ExitPolicy, SpeculationParts, lookup.PromptLookup, lookup.TextLookup, lookup.CorpusLookup,
+        *(part for module in (policies, drafters) for part in vars(module).values()
+          if isinstance(part, type) and part.__module__ == module.__name__ and hasattr(part, "learn")),
+    ]
+    assert {policies.LookupLength, policies.DraftSourceChoice, drafters.ShallowExitDrafter} <= set(adaptive)
+    for part in adaptive:
+        others = {"update", "record", "verified", "keep_alternative", "propose_free", "propose_verbatim"} & set(dir(part))
+        assert not others, (part, others)

@@ -8,7 +8,22 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_selfspec
 from hf_selfspec import AdaptiveExitPolicy, ExitPolicy, TargetConfidenceGate, ThroughputBackoff
+from hf_selfspec.decoding_types import MODEL_SOURCE, TEXT_SOURCE, Draft, StepOutcome, Verdict
 from helpers.tiny_models import tiny_model
+
+
+def _outcome_of(draft: Draft, accepted: int, committed: int, seconds: float | None = 0.5,
+                confidence: float = 1.0) -> StepOutcome:
+    """A verification of `draft` that accepted `accepted` of its tokens and committed `committed`,
+    the verifier `confidence` sure of its own token (token 0 of two)."""
+    scores = torch.tensor([confidence, 1 - confidence]).log().expand(accepted + 1, 2)
+    return StepOutcome(draft, Verdict([0] * (accepted + 1), accepted, scores, scores), committed, seconds)
+
+
+def _outcome(drafted: int, accepted: int = 0, committed: int = 1, seconds: float | None = 0.5,
+             source: str = MODEL_SOURCE, confidence: float = 1.0) -> StepOutcome:
+    """A verification of `drafted` tokens from `source` (none: a plain step)."""
+    return _outcome_of(Draft([0] * drafted, source=source), accepted, committed, seconds, confidence)
 
 
 def test_adaptive_threshold_follows_hand_computed_sequence():
@@ -21,25 +36,32 @@ def test_adaptive_threshold_follows_hand_computed_sequence():
     # (2/2): AR = .5*.6 + .5*1 = .80 <= .9 -> proposal .61  -> threshold .9*.6 + .1*.61 = .601
     expected = [(0.95, 0.599), (0.60, 0.6000), (0.80, 0.601)]
     for (accepted, drafted), (rate, threshold) in zip([(4, 4), (1, 4), (2, 2)], expected):
-        policy.update(accepted, drafted)
+        policy.learn(_outcome(drafted, accepted))
         assert policy.acceptance_rate == pytest.approx(rate, abs=1e-12)
         assert policy.threshold == pytest.approx(threshold, abs=1e-12)
 
 
 def test_fixed_exit_policy_never_moves():
     policy = ExitPolicy(0.4)
-    policy.update(0, 5)
+    policy.learn(_outcome(5, 0))
     assert policy.threshold == 0.4
+    assert policy.exits_after(0.39) and not policy.exits_after(0.4)  # the token that trips it is kept
+
+
+def test_the_adaptive_threshold_ignores_plain_steps():
+    policy = AdaptiveExitPolicy(0.6, target_acceptance=0.9, threshold_step=0.01, acceptance_ema=0.5, threshold_ema=0.9)
+    policy.learn(_outcome(0))
+    assert (policy.threshold, policy.acceptance_rate) == (0.6, 0.9)
 
 
 def test_gate_drafts_when_confident_and_decodes_plainly_when_not():
     gate = TargetConfidenceGate(0.5)
     assert gate.should_draft()  # nothing known yet: try drafting
-    gate.update(0.3)
+    gate.learn(_outcome(0, confidence=0.3))
     assert not gate.should_draft()
-    gate.update(0.5)
+    gate.learn(_outcome(0, confidence=0.5))
     assert gate.should_draft()  # "at or above" drafts
-    gate.update(0.49)
+    gate.learn(_outcome(0, confidence=0.49))
     assert not gate.should_draft()
 
 
@@ -79,7 +101,7 @@ def test_closed_gate_still_verifies_free_prompt_lookup_proposals():
 
 
 def _continuation(sequence, min_ngram, max_ngram, max_tokens):
-    from hf_selfspec.drafters import earliest_match
+    from hf_selfspec.lookup import earliest_match
 
     match = earliest_match(sequence, min_ngram, max_ngram, max_reach=16)
     return [] if match is None else sequence[match.follow : match.follow + max_tokens].tolist()
@@ -103,7 +125,7 @@ def test_lookup_copies_the_earliest_occurrence_as_transformers_does():
 
 
 def test_a_match_reaches_back_as_far_as_the_text_agrees_with_it_up_to_the_bound():
-    from hf_selfspec.drafters import earliest_match
+    from hf_selfspec.lookup import earliest_match
 
     # The text ends repeating "1 2 3 4 5 6" verbatim; a 2-gram search finds "5 6", and the text
     # before it agrees for four more tokens back, where 0 and 9 differ.
@@ -124,7 +146,7 @@ def test_an_adaptive_length_jumps_to_a_long_reach_and_ignores_a_short_one():
     assert length.tokens_for(7) == 7  # a verbatim repeat of seven tokens: propose seven at once
     assert length.tokens_for(30) == 12  # never past the bound
     assert length.tokens_for(5) == 12  # a reach never shortens what whole acceptances earned
-    length.update(12, 3)
+    length.learn(_outcome(12, 3))
     assert length.tokens == 7  # cuts still halve the way down
     assert LookupLength(3).tokens_for(30) == 3  # a fixed length stays fixed
 
@@ -141,9 +163,9 @@ def _run(backoff: ThroughputBackoff, steps: int, speculative_cost: float, specul
         speculate = backoff.should_speculate()
         decisions.append(speculate)
         if speculate:
-            backoff.record(2, speculative_tokens, speculative_cost)
+            backoff.learn(_outcome(2, committed=speculative_tokens, seconds=speculative_cost))
         else:
-            backoff.record(0, 1, 1.0)
+            backoff.learn(_outcome(0, committed=1, seconds=1.0))
     return decisions
 
 
@@ -197,9 +219,9 @@ def test_backoff_judges_a_draft_by_its_first_steps_together_not_by_the_first_alo
         speculate = backoff.should_speculate()
         decisions.append(speculate)
         if speculate:
-            backoff.record(2, 1 if step % 2 == 0 else 4, 1.8)
+            backoff.learn(_outcome(2, committed=1 if step % 2 == 0 else 4, seconds=1.8))
         else:
-            backoff.record(0, 1, 1.0)
+            backoff.learn(_outcome(0, committed=1, seconds=1.0))
     assert decisions[: FIRST + 1] == [True] * FIRST + [False]  # measure, then compare
     assert all(decisions[FIRST + 1 : FIRST + 5]) and not decisions[FIRST + 5]  # speculation won: plain is only probed
 
@@ -254,10 +276,10 @@ def test_adaptive_lookup_length_grows_on_whole_acceptances_and_shrinks_on_cuts_w
     script = [((3, 3), 6), ((6, 6), 12), ((12, 12), 20), ((20, 20), 20), ((20, 7), 13), ((13, 0), 6),
               ((6, 0), 3), ((3, 0), 1), ((1, 0), 1), ((1, 1), 2), ((2, 2), 4)]  # fmt: skip
     for (proposed, accepted), expected in script:
-        length.update(proposed, accepted)
+        length.learn(_outcome(proposed, accepted))
         assert length.tokens == expected, (proposed, accepted)
     # A proposal the text cut short (its match ran into the end of the text) and taken whole still grows it.
-    length.update(2, 2)
+    length.learn(_outcome(2, 2))
     assert length.tokens == 8
 
 
@@ -269,12 +291,12 @@ def test_an_adaptive_lookup_length_shrinks_no_further_than_its_floor():
     # acceptances still double from there.
     script = [((6, 0), 4), ((4, 0), 4), ((4, 4), 8), ((8, 1), 4), ((4, 0), 4)]  # fmt: skip
     for (proposed, accepted), expected in script:
-        length.update(proposed, accepted)
+        length.learn(_outcome(proposed, accepted))
         assert length.tokens == expected, (proposed, accepted)
     # A floor above the starting length is that length: a proposal never shrinks below where it started.
     short_start = AdaptiveLookupLength(tokens=2, max_tokens=16, min_tokens=5)
     for _ in range(3):
-        short_start.update(short_start.tokens, 0)
+        short_start.learn(_outcome(short_start.tokens, 0))
     assert short_start.tokens == 2
 
 
@@ -283,7 +305,7 @@ def test_a_fixed_lookup_length_never_moves():
 
     length = LookupLength(5)
     for proposed, accepted in ((5, 5), (5, 0)):
-        length.update(proposed, accepted)
+        length.learn(_outcome(proposed, accepted))
         assert length.tokens == 5
 
 
@@ -294,7 +316,7 @@ def _choose_sources(choice, steps: int, lookup_cost: float, model_cost: float) -
     for _ in range(steps):
         lookup = choice.lookup_first()
         decisions.append(lookup)
-        choice.record(lookup, 1, lookup_cost if lookup else model_cost)
+        choice.learn(_outcome(1, 1, 1, lookup_cost if lookup else model_cost, TEXT_SOURCE if lookup else MODEL_SOURCE))
     return decisions
 
 
@@ -315,7 +337,7 @@ def test_draft_source_choice_goes_lookup_first_then_to_the_cheaper_source_and_pr
     for _ in range(20):
         lookup = choice.lookup_first()
         later.append(lookup)
-        choice.record(lookup, 8 if lookup else 1, 2.0 if lookup else 1.0)
+        choice.learn(_outcome(1, 1, 8 if lookup else 1, 2.0 if lookup else 1.0, TEXT_SOURCE if lookup else MODEL_SOURCE))
     switched = later.index(True)
     assert switched <= 16 and all(later[switched : switched + 4])
 
@@ -327,50 +349,70 @@ def test_a_draft_source_measured_where_lookup_had_nothing_is_compared_without_a_
     unmeasured = _choose_sources(CheaperDraftSource(probe_interval=16), first + 3, lookup_cost=1.0, model_cost=3.0)
     assert unmeasured == [True] * first + [False, True, True]  # the model's draft is measured by a probe
     choice = CheaperDraftSource(probe_interval=16)
-    choice.record(False, 1, 3.0)  # the model drafted where lookup found no match: already measured
+    choice.learn(_outcome(1, 1, 1, 3.0))  # the model drafted where lookup found no match: already measured
     assert all(_choose_sources(choice, first + 3, lookup_cost=1.0, model_cost=3.0))
 
 
 class _ScriptedDraft(hf_selfspec.decoding_types.Drafter):
-    """The model's draft, scripted: always `tokens`, recording the feedback it is given."""
+    """The model's draft, scripted: always `tokens`, recording the feedback on its own drafts."""
 
     def __init__(self, tokens: list[int]):
         self.tokens, self.feedback = tokens, []
 
     def propose(self, state, max_tokens, exit_policy, selector):
-        return hf_selfspec.decoding_types.Draft(tokens=self.tokens[:max_tokens])
+        return Draft(tokens=self.tokens[:max_tokens])
 
-    def record(self, draft, accepted, committed, seconds):
-        self.feedback.append((draft.tokens, accepted, committed, seconds))
+    def learn(self, outcome):
+        if outcome.proposed_by(MODEL_SOURCE):
+            self.feedback.append((outcome.draft.tokens, outcome.verdict.accepted, outcome.committed, outcome.seconds))
 
 
-def test_lookup_drafter_learns_its_length_from_the_verifier_and_passes_the_model_its_feedback():
-    from hf_selfspec.decoding_types import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState
-    from hf_selfspec.drafters import PromptLookupDrafter
-    from hf_selfspec.policies import AdaptiveLookupLength, Backoff, DraftSourceChoice
+def _lookup(model, length, max_draft_tokens, model_backoff=None, sources=None, corpus=None, max_ngram=1):
+    """Prompt lookup over the text (and `corpus`, a `CorpusLookup`) beside the scripted `model`,
+    and a step of it: propose after `state`'s text, then learn how the verifier took the draft."""
+    from hf_selfspec.lookup import PromptLookup, TextLookup
+    from hf_selfspec.policies import Backoff, DraftSourceChoice
+
+    lookup = PromptLookup(TextLookup(1, max_ngram, length), corpus, sources or DraftSourceChoice(),
+                          model_backoff or Backoff(), max_draft_tokens)
+
+    def step(state, max_tokens, accepted, committed, seconds=0.5):
+        draft = lookup.propose(state, max_tokens, lambda tokens: model.propose(state, tokens, None, None))
+        accepted = len(draft.tokens) if accepted is None else accepted
+        outcome = _outcome_of(draft, accepted, accepted + 1 if committed is None else committed, seconds)
+        lookup.learn(outcome)
+        model.learn(outcome)
+        return draft
+
+    return lookup, step
+
+
+def _state(text: list[int], size: int):
+    from hf_selfspec.decoding_types import DecodingState
+
+    sequence = torch.zeros((1, size), dtype=torch.long)
+    sequence[0, : len(text)] = torch.tensor(text)
+    return DecodingState(sequence, torch.arange(size)[None], len(text))
+
+
+def test_lookup_learns_its_length_from_the_verifier_and_the_model_hears_its_own_drafts():
+    from hf_selfspec.policies import AdaptiveLookupLength
 
     model = _ScriptedDraft([90, 91, 92])
-    drafter = PromptLookupDrafter(model, 1, 1, AdaptiveLookupLength(2, 8), max_draft_tokens=2,
-                                  sources=DraftSourceChoice(), model_backoff=Backoff())
-    text = [7] + list(range(10, 30)) + [7]  # "7" recurs: lookup copies what followed it the first time
-    sequence = torch.zeros((1, 64), dtype=torch.long)
-    sequence[0, : len(text)] = torch.tensor(text)
-    state = DecodingState(sequence, torch.arange(64)[None], len(text))
+    lookup, step = _lookup(model, AdaptiveLookupLength(2, 8), max_draft_tokens=2)
+    state = _state([7] + list(range(10, 30)) + [7], 64)  # "7" recurs: lookup copies what followed it the first time
     proposed = []
     for accepted_whole in (True, True, False, False):
-        draft = drafter.propose(state, 16, exit_policy=None, selector=None)
-        assert draft.source == LOOKUP_SOURCE and draft.tokens == list(range(10, 10 + len(draft.tokens)))
+        draft = step(state, 16, None if accepted_whole else 1, None)
+        assert draft.source == TEXT_SOURCE and draft.tokens == list(range(10, 10 + len(draft.tokens)))
         proposed.append(len(draft.tokens))
-        accepted = len(draft.tokens) if accepted_whole else 1
-        drafter.record(draft, accepted, accepted + 1, 0.5)
     assert proposed == [2, 4, 8, 4]  # grown on whole acceptances, capped at 8, halved towards 1 on a cut
-    assert drafter.length.tokens == 2
+    assert lookup.text.length.tokens == 2
     # Where lookup has nothing, the model drafts within max_draft_tokens and hears its verdict.
     state.length = 3  # "7 10 11": no earlier occurrence
-    draft = drafter.propose(state, 16, exit_policy=None, selector=None)
+    draft = step(state, 16, 1, 2, seconds=None)
     assert (draft.source, draft.tokens) == (MODEL_SOURCE, [90, 91])
-    drafter.record(draft, 1, 2, None)
-    assert model.feedback == [([90, 91], 1, 2, None)] and drafter.length.tokens == 2
+    assert model.feedback == [([90, 91], 1, 2, None)] and lookup.text.length.tokens == 2
 
 
 class _ScriptedBackoff(hf_selfspec.policies.Backoff):
@@ -382,67 +424,53 @@ class _ScriptedBackoff(hf_selfspec.policies.Backoff):
     def should_speculate(self):
         return self.answers.pop(0)
 
-    def record(self, drafted, committed, seconds):
-        self.heard.append((drafted, committed, seconds))
+    def learn(self, outcome):
+        self.heard.append((len(outcome.draft.tokens), outcome.committed, outcome.seconds))
 
 
 def test_where_lookup_has_nothing_the_model_drafts_only_while_its_own_backoff_lets_it():
-    from hf_selfspec.decoding_types import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState
-    from hf_selfspec.drafters import PromptLookupDrafter
-    from hf_selfspec.policies import DraftSourceChoice, LookupLength
+    from hf_selfspec.policies import LookupLength
 
     model, backoff = _ScriptedDraft([90, 91]), _ScriptedBackoff([True, False])
-    drafter = PromptLookupDrafter(model, 1, 1, LookupLength(2), max_draft_tokens=2, sources=DraftSourceChoice(),
-                                  model_backoff=backoff)
+    _, step = _lookup(model, LookupLength(2), max_draft_tokens=2, model_backoff=backoff)
     text = [5, 6, 7, 8, 6]  # "6" recurs once the text reaches its end; nothing recurs before that
-    sequence = torch.zeros((1, 16), dtype=torch.long)
-    sequence[0, : len(text)] = torch.tensor(text)
 
-    def step(length, accepted, committed):
-        draft = drafter.propose(DecodingState(sequence, torch.arange(16)[None], length), 8, None, None)
-        drafter.record(draft, accepted, committed, 0.5)
+    def proposed(length, accepted, committed):
+        draft = step(_state(text[:length], 16), 8, accepted, committed)
         return draft.source, draft.tokens
 
-    assert step(3, 1, 2) == (MODEL_SOURCE, [90, 91])  # nothing to copy, and the back-off lets the model draft
-    assert step(4, 0, 1) == (LOOKUP_SOURCE, [])  # nothing to copy, the back-off says no: a plain step
-    assert step(5, 2, 3) == (LOOKUP_SOURCE, [7, 8])  # a match: lookup proposes, the back-off is not asked
+    assert proposed(3, 1, 2) == (MODEL_SOURCE, [90, 91])  # nothing to copy, and the back-off lets the model draft
+    assert proposed(4, 0, 1) == (TEXT_SOURCE, [])  # nothing to copy, the back-off says no: a plain step
+    assert proposed(5, 2, 3) == (TEXT_SOURCE, [7, 8])  # a match: lookup proposes, the back-off is not asked
     assert backoff.answers == []
     # It measures exactly the steps it decided: the model's draft, then the plain step.
     assert backoff.heard == [(2, 2, 0.5), (0, 1, 0.5)]
-    assert model.feedback == [([90, 91], 1, 2, 0.5)]  # the model hears only of its own draft
+    assert model.feedback == [([90, 91], 1, 2, 0.5)]
 
 
 def test_the_corpus_proposes_only_while_its_own_backoff_lets_it_and_learns_a_length_of_its_own():
-    from hf_selfspec.decoding_types import LOOKUP_SOURCE, MODEL_SOURCE, DecodingState
-    from hf_selfspec.drafters import PromptLookupDrafter
+    from hf_selfspec.decoding_types import CORPUS_SOURCE
+    from hf_selfspec.lookup import CorpusLookup
     from hf_selfspec.lookup_corpus import LookupCorpus
-    from hf_selfspec.policies import AdaptiveLookupLength, DraftSourceChoice
+    from hf_selfspec.policies import AdaptiveLookupLength
 
     corpus_backoff, model_backoff = _ScriptedBackoff([True, False, True, False]), _ScriptedBackoff([False, True])
     model = _ScriptedDraft([90])
-    drafter = PromptLookupDrafter(
-        model, 1, 1, AdaptiveLookupLength(4, 8), max_draft_tokens=1, sources=DraftSourceChoice(),
-        model_backoff=model_backoff, corpus=LookupCorpus([[40, 41, 42, 43, 44, 45]]),
-        corpus_length=AdaptiveLookupLength(4, 8), corpus_backoff=corpus_backoff,
-    )
+    corpus = CorpusLookup(LookupCorpus([[40, 41, 42, 43, 44, 45]]), 1, 1, AdaptiveLookupLength(4, 8), corpus_backoff)
+    _, step = _lookup(model, AdaptiveLookupLength(4, 8), max_draft_tokens=1, model_backoff=model_backoff,
+                      corpus=corpus)
     unmatched = [5, 6, 40]  # "40" never occurred in the text; the corpus knows what follows it
     matched = [9, 10, 11, 12, 13, 14, 9]  # "9" recurs: the text itself has a continuation
 
-    def step(text, accepted):
-        sequence = torch.zeros((1, 32), dtype=torch.long)
-        sequence[0, : len(text)] = torch.tensor(text)
-        draft = drafter.propose(DecodingState(sequence, torch.arange(32)[None], len(text)), 16, None, None)
-        drafter.record(draft, accepted, accepted + 1, 0.5)
+    def proposed(text, accepted):
+        draft = step(_state(text, 32), 16, accepted, None)
         return draft.source, draft.tokens
 
-    with pytest.raises(ValueError, match="corpus_length and a corpus_backoff"):
-        PromptLookupDrafter(model, 1, 1, AdaptiveLookupLength(4, 8), 1, DraftSourceChoice(), model_backoff,
-                            corpus=LookupCorpus([[1, 2]]), corpus_length=AdaptiveLookupLength(4, 8))
-    assert step(unmatched, 0) == (LOOKUP_SOURCE, [41, 42, 43, 44])  # the corpus may propose; all rejected
-    assert step(unmatched, 0) == (LOOKUP_SOURCE, [])  # neither back-off lets its source propose: plain
-    assert step(matched, 4) == (LOOKUP_SOURCE, [10, 11, 12, 13])  # the text's length was not cut by the corpus's
-    assert step(unmatched, 0) == (LOOKUP_SOURCE, [41, 42])  # the corpus's own length was: halved on its cut
-    assert step(unmatched, 0) == (MODEL_SOURCE, [90])  # the corpus backed off, the model may draft
+    assert proposed(unmatched, 0) == (CORPUS_SOURCE, [41, 42, 43, 44])  # the corpus may propose; all rejected
+    assert proposed(unmatched, 0) == (TEXT_SOURCE, [])  # neither back-off lets its source propose: plain
+    assert proposed(matched, 4) == (TEXT_SOURCE, [10, 11, 12, 13])  # the text's length was not cut by the corpus's
+    assert proposed(unmatched, 0) == (CORPUS_SOURCE, [41, 42])  # the corpus's own length was: halved on its cut
+    assert proposed(unmatched, 0) == (MODEL_SOURCE, [90])  # the corpus backed off, the model may draft
     assert corpus_backoff.answers == model_backoff.answers == []
     # Each back-off hears the steps it decided, as its source's (drafted tokens) or not (0).
     assert corpus_backoff.heard == [(4, 1, 0.5), (0, 1, 0.5), (2, 1, 0.5), (0, 1, 0.5)]
@@ -451,40 +479,33 @@ def test_the_corpus_proposes_only_while_its_own_backoff_lets_it_and_learns_a_len
 
 
 def test_a_verbatim_proposal_copies_the_text_only_where_its_match_reaches_back_far_enough():
-    from hf_selfspec.decoding_types import LOOKUP_SOURCE, DecodingState
-    from hf_selfspec.drafters import PromptLookupDrafter
+    from hf_selfspec.lookup import CorpusLookup
     from hf_selfspec.lookup_corpus import LookupCorpus
-    from hf_selfspec.policies import VERBATIM_REACH, Backoff, DraftSourceChoice, LookupLength
+    from hf_selfspec.policies import VERBATIM_REACH, Backoff, LookupLength
 
     model = _ScriptedDraft([90])
-    drafter = PromptLookupDrafter(
-        model, 1, 2, LookupLength(3), max_draft_tokens=1, sources=DraftSourceChoice(), model_backoff=Backoff(),
-        corpus=LookupCorpus([[9, 5, 70, 71]]), corpus_length=LookupLength(3), corpus_backoff=Backoff(),
-    )
+    corpus = CorpusLookup(LookupCorpus([[9, 5, 70, 71]]), 1, 2, LookupLength(3), Backoff())
+    lookup, _ = _lookup(model, LookupLength(3), max_draft_tokens=1, corpus=corpus, max_ngram=2)
 
     def verbatim(text):
-        sequence = torch.zeros((1, 32), dtype=torch.long)
-        sequence[0, : len(text)] = torch.tensor(text)
-        draft = drafter.propose_verbatim(DecodingState(sequence, torch.arange(32)[None], len(text)), 16)
+        draft = lookup.verbatim(_state(text, 32), 16)
         return draft.source, draft.tokens
 
     # The text ends repeating "2 3 4 5": the match of "4 5" agrees with it for four tokens back.
     assert VERBATIM_REACH == 4
-    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5]) == (LOOKUP_SOURCE, [6, 7, 8])
-    assert drafter.proposer == PromptLookupDrafter.TEXT
+    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5]) == (TEXT_SOURCE, [6, 7, 8])
     # Three tokens of agreement, a chance one-token match, or none: no proposal, not even from the
     # corpus (which knows what follows "9 5") or the model.
-    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5]) == (LOOKUP_SOURCE, [])
-    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 5]) == (LOOKUP_SOURCE, [])
-    assert verbatim([1, 2, 3]) == (LOOKUP_SOURCE, [])
-    assert drafter.proposer is None and model.feedback == []
+    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5]) == (TEXT_SOURCE, [])
+    assert verbatim([1, 2, 3, 4, 5, 6, 7, 8, 9, 5]) == (TEXT_SOURCE, [])
+    assert verbatim([1, 2, 3]) == (TEXT_SOURCE, [])
 
 
 class _RecordingLength(hf_selfspec.policies.AdaptiveLookupLength):
     lengths: list[int] = []
 
-    def update(self, proposed, accepted):
-        super().update(proposed, accepted)
+    def learn(self, outcome):
+        super().learn(outcome)
         self.lengths.append(self.tokens)
 
 
