@@ -8,6 +8,7 @@ runs, so the tuner's dependencies (optuna, optuna-dashboard, the Hub client) loa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import sys
@@ -68,8 +69,20 @@ def _model_config(args: argparse.Namespace):
     from .toml_reader import ModelConfig
 
     return ModelConfig(
-        name=model_name(args.model), gguf_file=args.gguf_file, dtype=args.dtype, device=usable_device(args.device)
+        name=model_name(args.model), gguf_file=args.gguf_file, dtype=args.dtype or "auto",
+        device=usable_device(args.device or "cpu"),
     )
+
+
+def _with_model_flags(config, args: argparse.Namespace):
+    """A study config with the [model] settings that `--dtype` and `--device` name in its place:
+    a study tuned for another dtype or device is another study (its name says which)."""
+    from hf_selfspec.inputs import usable_device
+
+    changes = {name: value for name, value in (("dtype", args.dtype), ("device", args.device)) if value is not None}
+    if "device" in changes:
+        changes["device"] = usable_device(changes["device"])
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes)) if changes else config
 
 
 @_reporting("tune")
@@ -80,7 +93,9 @@ def _tune(args: argparse.Namespace) -> int:
     if (args.study is None) == (args.model is None):
         raise TuningError("give either a STUDY.toml or --model DIR|HUB_ID (which tunes with the derived defaults)")
     if args.study is not None:
-        config = load_study_config(args.study)
+        if args.gguf_file is not None:
+            raise TuningError("--gguf-file goes with --model; a STUDY.toml names its file in [model] gguf_file")
+        config = _with_model_flags(load_study_config(args.study), args)
     else:
         from .default_study import study_for_model
 
@@ -191,10 +206,14 @@ def _add_model_arguments(parser: argparse.ArgumentParser, model_help: str, requi
         "into the user cache, and every later load reads that copy",
     )
     parser.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-        help="weights dtype; auto is the checkpoint's own (default: %(default)s)",
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype; auto is the checkpoint's own; with a STUDY.toml, in place of its [model] dtype "
+        "(default: auto, or the study's)",
     )
-    parser.add_argument("--device", default="cpu", help="device to run on, e.g. cpu or cuda (default: %(default)s)")
+    parser.add_argument(
+        "--device", help="device to run on, e.g. cpu or cuda; with a STUDY.toml, in place of its [model] device "
+        "(default: cpu, or the study's)",
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

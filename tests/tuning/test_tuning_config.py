@@ -112,6 +112,22 @@ def test_tune_command_reports_a_bad_config_without_a_traceback(tmp_path, capsys)
     assert "Traceback" not in err
 
 
+def test_tune_dtype_and_device_flags_replace_the_study_model_section(monkeypatch, capsys):
+    """`tune STUDY.toml --dtype float32` tunes the study in float32 (a study of its own, as its
+    name carries the device key); without the flags the study's own [model] holds."""
+    import hf_selfspec.tuning.tune as tune_module
+
+    ran = []
+    monkeypatch.setattr(tune_module, "run_tune", lambda config, *args, **kwargs: ran.append(config.model) or None)
+    monkeypatch.setattr(tune_module, "format_summary", lambda outcome: "")
+    study = str(REPO_ROOT / "studies" / "smollm2-135m-bf16.toml")
+    assert main(["tune", study, "--dtype", "float32"]) == 0
+    assert main(["tune", study]) == 0
+    assert [(model.dtype, model.device) for model in ran] == [("float32", "cpu"), ("bfloat16", "cpu")]
+    assert main(["tune", study, "--gguf-file", "other.gguf"]) == 2
+    assert "--gguf-file goes with --model" in capsys.readouterr().err
+
+
 def test_jsonl_prompt_source_is_relative_to_the_config(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "def f():"}\n')
     path = tmp_path / "study.toml"
