@@ -190,3 +190,12 @@ def test_every_shipped_profile_reads_and_has_its_files_beside_it(path):
     for profile in profiles.values():
         resolve_strategy(profile.strategy)
     files_named_by(profiles, path.parent)
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_every_shipped_profile_file_serves_a_float32_and_a_bfloat16_cpu(path):
+    """A shipped file with a profile for one dtype only leaves a model in the other decoding
+    plainly: each serves both dtypes a CPU runs the embedded model in."""
+    keys = set(read_profiles_file(path))
+    assert "cpu/float32" in keys
+    assert keys & {"cpu/bfloat16", "cpu/amx/bfloat16"}
