@@ -284,6 +284,14 @@ def test_tests_and_code_import_the_tuner_by_one_path():
     assert imports_by_folder_path(imports, FOLDER_PATH) == []
 
 
+def test_the_study_config_is_read_only_where_a_command_starts():
+    """Read once into a `StudyConfig`, which the rest receives: nothing below the commands parses
+    the file again."""
+    _, imports = _library_imports()
+    readers = {found.importer.name for found in imports if "load_study_config" in found.names}
+    assert readers == {"hf_selfspec.tuning.cli", "hf_selfspec.tuning.optimize"}
+
+
 def test_the_reading_covers_every_package_and_the_imports_inside_functions():
     library, imports = _library_imports()
     assert {"hf_selfspec.mixin", "hf_selfspec.bench.cli", "hf_selfspec.hub.package", "hf_selfspec.tuning.cli"} <= set(library)
