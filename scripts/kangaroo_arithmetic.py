@@ -34,8 +34,11 @@ from hf_selfspec.measure import timed_generate
 from hf_selfspec.params import resolve_params
 from hf_selfspec.prompts import Prompt, encode_prompt, load_prompts
 from hf_selfspec.stats import StrategyStats, geometric_mean
-from hf_selfspec.tuning.estimate import CostModel, draft_predictions, estimate_decode, plain_seconds, teacher_force
-from hf_selfspec.tuning.objective import PreparedPrompt
+from hf_selfspec.tuning.costmodel.predictions import draft_predictions
+from hf_selfspec.tuning.costmodel.priced_decode import estimate_decode, plain_seconds
+from hf_selfspec.tuning.costmodel.prices import CostModel
+from hf_selfspec.tuning.costmodel.teacher_forcing import teacher_force
+from hf_selfspec.tuning.studies.objective import PreparedPrompt
 
 NEW_TOKENS = 64
 MAX_DRAFT_TOKENS = (1, 2, 3, 4, 6)

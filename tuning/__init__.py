@@ -1,13 +1,13 @@
 """The auto-tuner: Optuna studies that search skip sets and thresholds for one model on one
 device, persisted in an ordinary Optuna storage, exported as a tuned profile and shared on the Hub.
 
-Modules, one job each: `toml_reader` (reading any of its TOML files strictly), `config` (study
-config files), `knobs` (the numeric knobs, and which of them a strategy searches), `space` (what
-a trial tries), `objective` (measuring a trial), `storage` (where studies live and what they are
-called), `tune` (running a study), `export`, `hub`, `dashboard`, `quickstart`, and `cli`
-(argument wiring only). Draft adapters are trained by `train_adapter` from a `corpus`, a
-`teacher` pass and `training`; `write_lookup_corpus` writes the model's own text as a lookup
-corpus.
+Three rooms, each a sub-package that says why it stands apart: `studies` (the study config, the
+search space, measuring a trial, storage, export, the dashboard and the Hub), `costmodel` (the
+estimated objective and everything it times and prices) and `training` (draft adapters, corpora
+and the model's own text). Above them: `tune` (running a study, measured or estimated),
+`default_study` (a study derived from the model's shape), `optimize` and `quickstart` (the
+commands that chain the rest), and `cli` (argument wiring only). The core is reached through the
+names `hf_selfspec.tuner_api` declares.
 """
 
 

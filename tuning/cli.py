@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from hf_selfspec.argtypes import positive_float, positive_int
+from hf_selfspec.tuner_api import positive_float, positive_int
 
 from . import TuningError
 
@@ -32,10 +32,8 @@ def _reporting(command: str):
     def wrap(func):
         @functools.wraps(func)
         def run(args: argparse.Namespace) -> int:
-            from hf_selfspec.embedded import EmbeddedModelMissing
             from hf_selfspec.hub.package import PackageError
-            from hf_selfspec.inputs import InputError
-            from hf_selfspec.prompts import PromptFileError
+            from hf_selfspec.tuner_api import EmbeddedModelMissing, InputError, PromptFileError
 
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
@@ -64,9 +62,9 @@ def _reporting(command: str):
 
 def _model_config(args: argparse.Namespace):
     """The [model] section a command's --model, --dtype and --device stand for, checked now."""
-    from hf_selfspec.inputs import model_name, usable_device
+    from hf_selfspec.tuner_api import model_name, usable_device
 
-    from .toml_reader import ModelConfig
+    from .studies.toml_reader import ModelConfig
 
     return ModelConfig(
         name=model_name(args.model), gguf_file=args.gguf_file, dtype=args.dtype or "auto",
@@ -87,7 +85,7 @@ def _with_model_flags(config, args: argparse.Namespace):
 
 @_reporting("tune")
 def _tune(args: argparse.Namespace) -> int:
-    from .config import load_study_config
+    from .studies.config import load_study_config
     from .tune import format_summary, run_tune
 
     if (args.study is None) == (args.model is None):
@@ -108,8 +106,8 @@ def _tune(args: argparse.Namespace) -> int:
 
 @_reporting("dashboard")
 def _dashboard(args: argparse.Namespace) -> int:
-    from .dashboard import serve
-    from .storage import resolve_storage_url
+    from .studies.dashboard import serve
+    from .studies.storage import resolve_storage_url
 
     if not 0 < args.port < 65536:
         raise TuningError(f"--port {args.port}: not a port number; give one from 1 to 65535")
@@ -119,10 +117,10 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 @_reporting("export")
 def _export(args: argparse.Namespace) -> int:
-    from hf_selfspec.profiles import read_profiles_file
+    from hf_selfspec.tuner_api import read_profiles_file
 
-    from .export import export_profile
-    from .storage import resolve_storage_url
+    from .studies.export import export_profile
+    from .studies.storage import resolve_storage_url
 
     result = export_profile(resolve_storage_url(args.storage, create=False), args.study, args.output)
     profiles = read_profiles_file(result.path)
@@ -152,7 +150,7 @@ def _export(args: argparse.Namespace) -> int:
 
 @_reporting("push")
 def _push(args: argparse.Namespace) -> int:
-    from .hub import push_config, push_folder
+    from .studies.hub import push_config, push_folder
 
     if args.folder is not None:
         url = push_folder(args.folder, args.repo, create_pr=args.create_pr, endpoint=args.endpoint)
@@ -164,7 +162,7 @@ def _push(args: argparse.Namespace) -> int:
 
 @_reporting("train-adapter")
 def _train_adapter(args: argparse.Namespace) -> int:
-    from .train_adapter import describe_result, load_train_config, run_train_adapter
+    from .training.train_adapter import describe_result, load_train_config, run_train_adapter
 
     config = load_train_config(args.config)
     print(describe_result(run_train_adapter(config, show_progress=not args.no_progress)))
@@ -173,7 +171,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
 
 @_reporting("write-lookup-corpus")
 def _write_lookup_corpus(args: argparse.Namespace) -> int:
-    from .write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
+    from .training.write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
 
     config = load_lookup_corpus_config(args.config)
     print(describe_result(*run_write_lookup_corpus(config, show_progress=not args.no_progress)))

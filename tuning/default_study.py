@@ -19,14 +19,19 @@ from pathlib import Path
 
 import torch
 
-from hf_selfspec.cache import DraftAwareCache, cache_keyword
-from hf_selfspec.measure import timed
-from hf_selfspec.narrow_linear import verifying
-from hf_selfspec.prompts import TUNE_SPLIT, WORKLOAD, read_jsonl_prompts
+from hf_selfspec.tuner_api import (
+    TUNE_SPLIT,
+    WORKLOAD,
+    DraftAwareCache,
+    cache_keyword,
+    read_jsonl_prompts,
+    timed,
+    verifying,
+)
 
-from .config import DEFAULT_N_PROMPTS, PromptConfig, SearchConfig, StudyConfig, StudySettings
-from .knobs import strategy_knobs
-from .toml_reader import ModelConfig
+from .studies.config import DEFAULT_N_PROMPTS, PromptConfig, SearchConfig, StudyConfig, StudySettings
+from .studies.knobs import strategy_knobs
+from .studies.toml_reader import ModelConfig
 
 # Verification widths timed on the device; the draft and lookup ranges reach the widest of them
 # up to which each added position costs at most `_AFFORDABLE_MARGINAL_RATIO` of a single token.
@@ -168,7 +173,7 @@ def default_prompts(source: str | None, max_new_tokens: int = DEFAULT_NEW_TOKENS
 def objective_for(model) -> str:
     """Estimated where the estimate can run on this architecture (many trials for the time of a
     few), measured where it cannot."""
-    from .estimate import check_supported
+    from .costmodel import check_supported
 
     try:
         check_supported(model)
@@ -210,7 +215,7 @@ def default_study_config(
 def study_for_model(model: ModelConfig, storage: str | None = None, prompts: str | None = None) -> StudyConfig:
     """The study `tune --model` runs: the defaults `optimize` tunes with, measured on this device,
     without a lookup corpus or an adapter (neither exists yet for a model without a study)."""
-    from hf_selfspec.layer_skip import decoder_layers
+    from hf_selfspec.tuner_api import decoder_layers
 
     loaded, _ = model.load()
     space = derive_space(

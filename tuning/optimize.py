@@ -25,11 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hf_selfspec.inputs import InputError, output_directory
-from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD, load_prompts, read_jsonl_prompts
+from hf_selfspec.tuner_api import (
+    HELD_OUT_SPLIT,
+    WORKLOAD,
+    InputError,
+    load_prompts,
+    output_directory,
+    read_jsonl_prompts,
+)
 
 from . import TuningError
-from .config import PromptConfig
+from .studies.config import PromptConfig
 from .default_study import (
     CONFIRM_TOP,
     DerivedSpace,
@@ -39,10 +45,10 @@ from .default_study import (
     objective_for,
     time_verification,
 )
-from .storage import resolve_storage_url
-from .study_prompts import prompts_by_category, select_study_prompts
-from .study_toml import model_entries, study_toml, toml_tables
-from .toml_reader import ModelConfig
+from .studies.storage import resolve_storage_url
+from .studies.study_prompts import prompts_by_category, select_study_prompts
+from .studies.study_toml import model_entries, study_toml, toml_tables
+from .studies.toml_reader import ModelConfig
 
 STATE_FILE = "optimize.json"
 STUDY_FILE = "study.toml"
@@ -175,9 +181,7 @@ def _measure(run: _Run) -> dict[str, Any]:
     stage's sizing (and kept, so a resumed run sizes the same way)."""
     import torch
 
-    from hf_selfspec.layer_skip import decoder_layers
-    from hf_selfspec.measure import timed, timed_generate
-    from hf_selfspec.prompts import encode_prompt
+    from hf_selfspec.tuner_api import decoder_layers, encode_prompt, timed, timed_generate
 
     model, tokenizer = run.request.model.load()
     prompt = encode_prompt(tokenizer, load_prompts(WORKLOAD, 1)[0])
@@ -226,7 +230,7 @@ def corpus_plan(seconds: float, seconds_per_token: float, chat: bool = True) -> 
 
 
 def _corpus(run: _Run) -> dict[str, Any]:
-    from .write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
+    from .training.write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
 
     measured = run.stages["measure"]
     # The adapter's standard-library text is part of [corpus], and the model's text is generated
@@ -269,9 +273,9 @@ def adapter_plan(seconds: float, step_seconds: float, exit_layers: tuple[int, ..
 
 
 def _adapter(run: _Run) -> dict[str, Any]:
-    from .train_adapter import describe_result, load_train_config, run_train_adapter, training_chunks
-    from .training import covering_vocabulary, time_training_step
-    from .write_lookup_corpus import load_lookup_corpus_config
+    from .training.train_adapter import describe_result, load_train_config, run_train_adapter, training_chunks
+    from .training.training import covering_vocabulary, time_training_step
+    from .training.write_lookup_corpus import load_lookup_corpus_config
 
     space = _space(run)
     print(f"     {space.reasons[-1]}", flush=True)
@@ -337,7 +341,7 @@ def tune_prompts(prompts: PromptConfig, seconds: float, decode_seconds: float) -
 
 
 def _tune(run: _Run) -> dict[str, Any]:
-    from .config import load_study_config
+    from .studies.config import load_study_config
     from .tune import format_summary, run_tune
 
     config = _study_config(run)
@@ -388,11 +392,10 @@ def _confirm(run: _Run) -> dict[str, Any]:
     from hf_selfspec.bench.machine import machine_info
     from hf_selfspec.bench.report import results_document
     from hf_selfspec.bench.runner import measure
-    from hf_selfspec.consistency import DIVERGENT
-    from hf_selfspec.strategies import available_strategies
+    from hf_selfspec.tuner_api import DIVERGENT, available_strategies
 
-    from .categories import is_feasible
-    from .space import ADAPTER_PARAM, decode_params
+    from .studies.categories import is_feasible
+    from .studies.space import ADAPTER_PARAM, decode_params
 
     tuned = run.stages["tune"]
     config = _study_config(run)
@@ -450,7 +453,7 @@ def _table_rows(results: dict[str, Any], winner: str) -> list[dict[str, Any]]:
 
 
 def _export(run: _Run) -> dict[str, Any]:
-    from .export import export_profile
+    from .studies.export import export_profile
 
     tuned, winner = run.stages["tune"], run.stages["confirm"]["winner"]
     result = export_profile(tuned["storage"], tuned["study"], run.request.output, trial_number=winner)

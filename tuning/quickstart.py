@@ -21,15 +21,22 @@ from pathlib import Path
 
 import optuna
 
-from hf_selfspec.inputs import output_directory
-from hf_selfspec.loading import EMBEDDED
-from hf_selfspec.measure import TimedRun, timed_generate
-from hf_selfspec.prompts import HELD_OUT_SPLIT, TUNE_SPLIT, WORKLOAD, Prompt, load_prompts
+from hf_selfspec.tuner_api import (
+    EMBEDDED,
+    HELD_OUT_SPLIT,
+    TUNE_SPLIT,
+    WORKLOAD,
+    Prompt,
+    TimedRun,
+    load_prompts,
+    output_directory,
+    timed_generate,
+)
 
 from . import TuningError
-from .config import PromptConfig, SearchConfig, StudyConfig, StudySettings
-from .export import export_profile
-from .storage import estimated_study_name, open_storage, resolve_storage_url
+from .studies.config import PromptConfig, SearchConfig, StudyConfig, StudySettings
+from .studies.export import ExportResult, export_profile
+from .studies.storage import estimated_study_name, open_storage, resolve_storage_url
 from .tune import format_summary, run_tune
 
 _SHIPPED = Path(str(resources.files("hf_selfspec").joinpath("data/tuned/smollm2-135m-instruct")))
@@ -76,13 +83,13 @@ def demo_rate(runs: Sequence[TimedRun]) -> float:
 
 
 def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_progress: bool = True) -> int:
-    from hf_selfspec.consistency import NEAR_TIE, check_greedy_consistency
-    from hf_selfspec.embedded import load_embedded
-    from hf_selfspec.loading import load_model_and_tokenizer
-    from hf_selfspec.prompts import encode_prompt
-    from hf_selfspec.strategies import PLAIN
-
     output = output_directory(output, "--output")  # refused now, not after minutes of tuning
+    result = _tune_and_export(output, n_trials, storage_url, show_progress)
+    return _demo(result)
+
+
+def _tune_and_export(output: Path, n_trials: int, storage_url: str | None, show_progress: bool) -> ExportResult:
+    """Steps 1 and 2: a short estimated study on the embedded model, its best trial exported."""
     storage_url = resolve_storage_url(storage_url)
     print(
         f"1/3  Tuning Kangaroo and prompt lookup on the embedded model for {n_trials} estimated trials on one "
@@ -110,7 +117,20 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
         )
 
     print(f"\n2/3  Exporting trial {best.number} to {output}/generation_config.json", flush=True)
-    result = export_profile(outcome.storage_url, outcome.export_study.study_name, output)
+    return export_profile(outcome.storage_url, outcome.export_study.study_name, output)
+
+
+def _demo(result: ExportResult) -> int:
+    """Step 3: the held-out prompt decoded plainly, with the new profile and with the shipped one,
+    timed and checked against plain greedy decoding; the exit status."""
+    from hf_selfspec.tuner_api import (
+        NEAR_TIE,
+        PLAIN,
+        check_greedy_consistency,
+        encode_prompt,
+        load_embedded,
+        load_model_and_tokenizer,
+    )
 
     print(f"\n3/3  Decoding the first held-out workload prompt: plain, with {result.path}, and with the "
           "profile shipped in the package (what `hf_selfspec.load_embedded()` applies)", flush=True)

@@ -25,17 +25,17 @@ from optuna.trial import TrialState
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from hf_selfspec.profile_files import adapter_digest
+from hf_selfspec.tuner_api import adapter_digest
 
 from . import TuningError
-from .categories import describe_categories, is_feasible
-from .config import StudyConfig, check_adapters_fit
-from .dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
-from .estimate import check_supported, estimated_objective, record_cost_model, teacher_force
-from .objective import LosslessViolation, SpeedupObjective, prepare_prompts
-from .space import warm_start_trials
-from .study_prompts import select_study_prompts
-from .storage import (
+from .studies.categories import describe_categories, is_feasible
+from .studies.config import StudyConfig, check_adapters_fit
+from .studies.dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
+from .costmodel import check_supported, estimated_objective, record_cost_model, teacher_force
+from .studies.objective import LosslessViolation, SpeedupObjective, prepare_prompts
+from .studies.space import warm_start_trials
+from .studies.study_prompts import select_study_prompts
+from .studies.storage import (
     StudyContext,
     create_or_load_study,
     derive_study_name,
@@ -170,10 +170,7 @@ def run_tune(
     study then measures its `confirm_top` best trials for real in the config's measured study.
     With `deadline` (a `time.monotonic()` instant), no trial starts after it, however long the
     model load and the cost model's timing took before the first."""
-    from hf_selfspec.layer_skip import decoder_layers
-    from hf_selfspec.narrow_linear import choose_layouts
-    from hf_selfspec.profiles import device_profile_key
-    from hf_selfspec.strategies import available_strategies
+    from hf_selfspec.tuner_api import available_strategies, choose_layouts, decoder_layers, device_profile_key
 
     storage_url = resolve_storage_url(storage_url or config.study.storage)
     # Opened before the model loads, so an unreachable server costs seconds, not a model load.
@@ -188,27 +185,7 @@ def run_tune(
     choose_layouts(model)  # not inside the first trial, estimated or measured, to meet a width
     num_layers = len(decoder_layers(model))
     device_key = device_profile_key(model.device, model.dtype)
-    context = StudyContext(
-        model=config.model.name,
-        gguf_file=config.model.gguf_file,
-        dtype=str(model.dtype).removeprefix("torch."),  # what "auto" settled on
-        device_key=device_key,
-        strategy=config.search.strategy,
-        num_layers=num_layers,
-        prompt_source=Path(config.prompts.source).name,  # `humaneval`, `workload`, or the file's name
-        n_prompts=len(prompts),
-        prompt_offset=config.prompts.offset,
-        max_new_tokens=config.prompts.max_new_tokens,
-        baseline_tokens_per_second=0.0,
-        versions=library_versions(),
-        draft_adapters=config.search.draft_adapters,
-        draft_adapter_digests={name: adapter_digest(path) for name, path in config.search.draft_adapters.items()},
-        lookup_corpus=config.search.lookup_corpus,
-        lookup_corpus_digest=adapter_digest(config.search.lookup_corpus) if config.search.lookup_corpus else "",
-        prompt_split=config.prompts.split or "",
-        prompts_per_category=config.prompts.per_category or 0,
-        category_floor=config.study.category_floor or 0.0,
-    )
+    context = _study_context(config, model, device_key, num_layers, len(prompts))
     check_adapters_fit(config.search, model)
 
     estimated = config.study.objective == "estimated"
@@ -218,23 +195,8 @@ def run_tune(
         except ValueError as error:
             raise TuningError(str(error)) from None
     measured_name = derive_study_name(config, device_key, len(prompts))
-    study, created = create_or_load_study(
-        storage,
-        estimated_study_name(measured_name) if estimated else measured_name,
-        _sampler(config, config.study.seed),
-        _pruner(config),
-    )
-    context.check_matches(study)
-    if created or not study.get_trials(deepcopy=False):
-        # With the study, at once: what it measures and the likeliest good trials. A worker
-        # killed in between leaves a study without trials, which the next run repairs here.
-        context.save(study)
-        for params in warm_start_trials(config.search, num_layers):
-            study.enqueue_trial(params, skip_if_exists=True)
-    if not created:
-        # The seed makes a fresh single-worker study reproducible. A worker joining or resuming
-        # a study must not replay that random sequence, or it would repeat trials already run.
-        study.sampler = _sampler(config, seed=None)
+    study_name = estimated_study_name(measured_name) if estimated else measured_name
+    study = _open_study(storage, study_name, config, context, num_layers)
     print(f"Study {study.study_name!r} in {display_url(storage_url)}", flush=True)
 
     generate_kwargs = {
@@ -247,37 +209,15 @@ def run_tune(
     context.save(study)
     write_study_note(study)
     worker = f"{socket.gethostname()}:{os.getpid()}"
-
-    callbacks = []
-    if n_trials is None:
-        finished = len(study.get_trials(deepcopy=False, states=FINISHED))
-        n_trials = config.study.n_trials - finished
-        # Other workers spend the same budget; stop when the study as a whole has spent it.
-        callbacks.append(optuna.study.MaxTrialsCallback(config.study.n_trials, states=FINISHED))
-        if n_trials <= 0:
-            print(
-                f"The study already holds {finished} finished trials (budget {config.study.n_trials}); "
-                "pass --n-trials to run more."
-            )
-            n_trials = 0
+    callbacks: list[Callable] = []
+    n_trials = _trials_to_run(study, config, n_trials, callbacks)
 
     this_run = {state: 0 for state in FINISHED}
     floor = config.study.category_floor
     reprice = None  # the estimate at the cost model's prices as they are now, once timed in this run
     if n_trials > 0:
         if estimated:  # the cost model takes a minute to time: only for trials that will run
-            print("Timing the forward passes for the cost model...", flush=True)
-            forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
-            max_draft = int(config.search.range_of("max_draft_tokens")[1])
-            max_alternatives = int(config.search.range_of("draft_alternatives")[1])
-            longest_lookup = int(config.search.range_of("prompt_lookup_max_tokens")[1])
-            widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
-            objective, cost_watch = estimated_objective(
-                model, forced, config.search, num_layers, widest, generate_kwargs, worker, floor
-            )
-            record_cost_model(study, objective.cost)
-            callbacks.append(cost_watch)
-            reprice = objective.reprice
+            objective, reprice = _estimating(model, prepared, config, num_layers, generate_kwargs, worker, study, callbacks)
         else:
             objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
         timeout = timeout if timeout is not None else config.study.timeout
@@ -292,6 +232,83 @@ def run_tune(
             storage, measured_name, study, context, config, measuring, show_progress, reprice
         )
     return outcome
+
+
+def _study_context(config: StudyConfig, model, device_key: str, num_layers: int, n_prompts: int) -> StudyContext:
+    """What the study measures, as every worker must agree on it; the baseline is measured later."""
+    return StudyContext(
+        model=config.model.name,
+        gguf_file=config.model.gguf_file,
+        dtype=str(model.dtype).removeprefix("torch."),  # what "auto" settled on
+        device_key=device_key,
+        strategy=config.search.strategy,
+        num_layers=num_layers,
+        prompt_source=Path(config.prompts.source).name,  # `humaneval`, `workload`, or the file's name
+        n_prompts=n_prompts,
+        prompt_offset=config.prompts.offset,
+        max_new_tokens=config.prompts.max_new_tokens,
+        baseline_tokens_per_second=0.0,
+        versions=library_versions(),
+        draft_adapters=config.search.draft_adapters,
+        draft_adapter_digests={name: adapter_digest(path) for name, path in config.search.draft_adapters.items()},
+        lookup_corpus=config.search.lookup_corpus,
+        lookup_corpus_digest=adapter_digest(config.search.lookup_corpus) if config.search.lookup_corpus else "",
+        prompt_split=config.prompts.split or "",
+        prompts_per_category=config.prompts.per_category or 0,
+        category_floor=config.study.category_floor or 0.0,
+    )
+
+
+def _open_study(storage, name: str, config: StudyConfig, context: StudyContext, num_layers: int) -> optuna.Study:
+    """The study `name`, created with its context and warm-start trials, or loaded when its
+    context matches this run's."""
+    study, created = create_or_load_study(storage, name, _sampler(config, config.study.seed), _pruner(config))
+    context.check_matches(study)
+    if created or not study.get_trials(deepcopy=False):
+        # With the study, at once: what it measures and the likeliest good trials. A worker
+        # killed in between leaves a study without trials, which the next run repairs here.
+        context.save(study)
+        for params in warm_start_trials(config.search, num_layers):
+            study.enqueue_trial(params, skip_if_exists=True)
+    if not created:
+        # The seed makes a fresh single-worker study reproducible. A worker joining or resuming
+        # a study must not replay that random sequence, or it would repeat trials already run.
+        study.sampler = _sampler(config, seed=None)
+    return study
+
+
+def _trials_to_run(study: optuna.Study, config: StudyConfig, n_trials: int | None, callbacks: list) -> int:
+    """`n_trials`, or without it what is left of the config's budget, counted over all workers
+    (with the callback that stops this worker once the study has spent it)."""
+    if n_trials is not None:
+        return n_trials
+    finished = len(study.get_trials(deepcopy=False, states=FINISHED))
+    # Other workers spend the same budget; stop when the study as a whole has spent it.
+    callbacks.append(optuna.study.MaxTrialsCallback(config.study.n_trials, states=FINISHED))
+    if finished < config.study.n_trials:
+        return config.study.n_trials - finished
+    print(
+        f"The study already holds {finished} finished trials (budget {config.study.n_trials}); "
+        "pass --n-trials to run more."
+    )
+    return 0
+
+
+def _estimating(model, prepared, config: StudyConfig, num_layers: int, generate_kwargs, worker: str, study, callbacks):
+    """The estimated objective with its cost model timed now and kept with the study, its watch
+    added to `callbacks`; and the way to reprice a trial at the latest prices."""
+    print("Timing the forward passes for the cost model...", flush=True)
+    forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
+    max_draft = int(config.search.range_of("max_draft_tokens")[1])
+    max_alternatives = int(config.search.range_of("draft_alternatives")[1])
+    longest_lookup = int(config.search.range_of("prompt_lookup_max_tokens")[1])
+    widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
+    objective, cost_watch = estimated_objective(
+        model, forced, config.search, num_layers, widest, generate_kwargs, worker, config.study.category_floor
+    )
+    record_cost_model(study, objective.cost)
+    callbacks.append(cost_watch)
+    return objective, objective.reprice
 
 
 def confirm_estimates(

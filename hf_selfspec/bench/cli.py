@@ -356,10 +356,8 @@ def run(args: argparse.Namespace) -> int:
     from ..hub.package import check_package_folder
     from ..inputs import model_name as model_name_input
     from ..loading import load_model_and_tokenizer
-    from .benchmark import OUTPUT_FILES, run_benchmark
-    from .contenders import HF_SELFSPEC, build_contenders, compared_profile_contender
-    from .report import diverged
-    from .table import render
+    from .benchmark import run_benchmark
+    from .contenders import build_contenders, compared_profile_contender
 
     # Everything that can be checked cheaply is checked before the model loads.
     try:
@@ -428,8 +426,19 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+    return _report(results, args.output)
+
+
+def _report(results: dict, output: str) -> int:
+    """Print the table and where the files went; the exit status: 1 where a contender diverged
+    from plain greedy decoding, 130 where the run was interrupted, else 0."""
+    from .benchmark import OUTPUT_FILES
+    from .contenders import HF_SELFSPEC
+    from .report import diverged
+    from .table import render
+
     print(render(results, color=sys.stdout.isatty() and "NO_COLOR" not in os.environ))
-    written = ", ".join(str(Path(args.output) / name) for name in OUTPUT_FILES)
+    written = ", ".join(str(Path(output) / name) for name in OUTPUT_FILES)
     print(f"\nwrote {written}")
     inconsistent = diverged(results, HF_SELFSPEC)
     if inconsistent:

@@ -171,6 +171,31 @@ def build_contenders(
             params_label=f"exit at layer {exit_layer}",
         ),
     ]
+    contenders += _our_strategies(model, strategies, profile, draft_adapter)
+    if custom_generate is not None:
+        contenders.append(
+            Contender(
+                CUSTOM_GENERATE,
+                {
+                    "custom_generate": custom_generate,
+                    "trust_remote_code": True,
+                    "strategy": profile.strategy,
+                    "do_sample": False,
+                    **_profile_params(model, profile),
+                },
+                family=HF_SELFSPEC,
+                params_label=f"{TUNED} {profile.strategy}, packaged",
+            )
+        )
+    if assistant is not None:
+        contenders += _assisted(model, strategies, assistant, plain)
+    return contenders
+
+
+def _our_strategies(model, strategies: Sequence[str], profile, draft_adapter: str | None) -> list[Contender]:
+    """One contender per strategy: the tuned profile's parameters for the strategy it names, the
+    default skip set for the rest, and `draft_adapter` for those that need one (left out without)."""
+    contenders = []
     for strategy in strategies:
         if profile is not None and profile.strategy == strategy:
             params, label = _profile_params(model, profile), TUNED
@@ -188,45 +213,35 @@ def build_contenders(
                 params_label=label,
             )
         )
-    if custom_generate is not None:
+    return contenders
+
+
+def _assisted(model, strategies: Sequence[str], assistant, plain: dict[str, Any]) -> list[Contender]:
+    """Transformers' assisted generation over `assistant`, and our gated strategy over the same
+    draft where it is available."""
+    draft = getattr(assistant, "name_or_path", "assistant")
+    contenders = [
+        Contender(
+            "assisted",
+            {**plain, "assistant_model": assistant},
+            family="transformers",
+            params_label=f"draft {draft}",
+        )
+    ]
+    if GATED_STRATEGY in strategies:
         contenders.append(
             Contender(
-                CUSTOM_GENERATE,
+                f"{GATED_STRATEGY}+assistant",
                 {
-                    "custom_generate": custom_generate,
-                    "trust_remote_code": True,
-                    "strategy": profile.strategy,
+                    "strategy": GATED_STRATEGY,
                     "do_sample": False,
-                    **_profile_params(model, profile),
+                    "assistant_model": assistant,
+                    **default_params(model),
                 },
                 family=HF_SELFSPEC,
-                params_label=f"{TUNED} {profile.strategy}, packaged",
+                params_label=f"{DEFAULT}, draft {draft}",
             )
         )
-    if assistant is not None:
-        draft = getattr(assistant, "name_or_path", "assistant")
-        contenders.append(
-            Contender(
-                "assisted",
-                {**plain, "assistant_model": assistant},
-                family="transformers",
-                params_label=f"draft {draft}",
-            )
-        )
-        if GATED_STRATEGY in strategies:
-            contenders.append(
-                Contender(
-                    f"{GATED_STRATEGY}+assistant",
-                    {
-                        "strategy": GATED_STRATEGY,
-                        "do_sample": False,
-                        "assistant_model": assistant,
-                        **default_params(model),
-                    },
-                    family=HF_SELFSPEC,
-                    params_label=f"{DEFAULT}, draft {draft}",
-                )
-            )
     return contenders
 
 

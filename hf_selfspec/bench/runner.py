@@ -44,6 +44,33 @@ class Measurements:
     planned: tuple[int, int] | None = None
 
 
+def _checked_contenders(
+    prompts: Sequence[Prompt], contenders: Sequence[Contender], repeats: int, sampling: Sampling | None
+) -> list[Contender]:
+    """`contenders`, each with `sampling`'s settings where given, once the run is known to make
+    sense: names unique, the baseline among them, at least one prompt and one repeat."""
+    names = [contender.name for contender in contenders]
+    if len(set(names)) != len(names):
+        raise ValueError(f"contender names must be unique, got {names}")
+    if BASELINE not in names:
+        raise ValueError(f"the contenders must include the {BASELINE!r} one that others are compared with")
+    if repeats < 1 or not prompts:
+        raise ValueError(f"need at least one prompt and one repeat, got {len(prompts)} prompts, {repeats} repeats")
+    if sampling is None:
+        return list(contenders)
+    return [
+        replace(contender, generate_kwargs={**contender.generate_kwargs, **sampling.generate_kwargs()})
+        for contender in contenders
+    ]
+
+
+def _timed_call(model, contender: Contender, inputs, common: dict, sampling: Sampling | None, repeat: int) -> TimedRun:
+    """One timed decode by `contender`, seeded for `repeat` where it samples."""
+    if sampling is not None:
+        sampling.reseed(repeat)
+    return timed_generate(model, inputs, **common, **contender.generate_kwargs)
+
+
 def measure(
     model,
     tokenizer,
@@ -70,26 +97,11 @@ def measure(
 
     With `sampling`, every contender samples with its settings, each timed call of repeat `r`
     starting from seed `sampling.seed + r`, and no reference is decoded."""
+    contenders = _checked_contenders(prompts, contenders, repeats, sampling)
     names = [contender.name for contender in contenders]
-    if len(set(names)) != len(names):
-        raise ValueError(f"contender names must be unique, got {names}")
-    if BASELINE not in names:
-        raise ValueError(f"the contenders must include the {BASELINE!r} one that others are compared with")
-    if repeats < 1 or not prompts:
-        raise ValueError(f"need at least one prompt and one repeat, got {len(prompts)} prompts, {repeats} repeats")
-    if sampling is not None:
-        contenders = [
-            replace(contender, generate_kwargs={**contender.generate_kwargs, **sampling.generate_kwargs()})
-            for contender in contenders
-        ]
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
     common = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
     runs: dict[str, list[list[TimedRun]]] = {name: [[] for _ in range(repeats)] for name in names}
-
-    def run(contender: Contender, inputs, repeat: int) -> TimedRun:
-        if sampling is not None:
-            sampling.reseed(repeat)
-        return timed_generate(model, inputs, **common, **contender.generate_kwargs)
 
     total = (len(prompts) if sampling is None else 0) + len(contenders) * (1 + repeats * len(prompts))
     references: list[TimedRun] = []
@@ -102,7 +114,7 @@ def measure(
                 choose_layouts(model)
             for contender in contenders:
                 bar.set_postfix_str(f"warm-up {contender.name}")
-                run(contender, encoded[0], 0)
+                _timed_call(model, contender, encoded[0], common, sampling, 0)
                 bar.update()
             for repeat in range(repeats):
                 for index, inputs in enumerate(encoded):
@@ -116,7 +128,7 @@ def measure(
                         bar.set_postfix_str(
                             f"repeat {repeat + 1}/{repeats} prompt {index + 1}/{len(encoded)} {contender.name}"
                         )
-                        runs[contender.name][repeat].append(run(contender, inputs, repeat))
+                        runs[contender.name][repeat].append(_timed_call(model, contender, inputs, common, sampling, repeat))
                         bar.update()
                     finished_prompts = index + 1
                 finished_repeats = repeat + 1

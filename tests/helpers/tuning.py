@@ -14,9 +14,9 @@ from pathlib import Path
 
 import optuna
 
-from hf_selfspec.tuning.config import SearchConfig
-from hf_selfspec.tuning.space import skip_ratio, suggest_params, warm_start_trials
-from hf_selfspec.tuning.storage import StudyContext
+from hf_selfspec.tuning.studies.config import SearchConfig
+from hf_selfspec.tuning.studies.space import skip_ratio, suggest_params, warm_start_trials
+from hf_selfspec.tuning.studies.storage import StudyContext
 
 from helpers import REPO_ROOT
 

@@ -14,10 +14,10 @@ from helpers.tuning import write_study_config
 from hf_selfspec.cli import main
 from hf_selfspec.tuning import TuningError
 from hf_selfspec.tuning import quickstart as quickstart_module
-from hf_selfspec.tuning.config import load_study_config
-from hf_selfspec.tuning.export import export_profile
-from hf_selfspec.tuning.space import warm_start_trials
-from hf_selfspec.tuning.storage import derive_study_name
+from hf_selfspec.tuning.studies.config import load_study_config
+from hf_selfspec.tuning.studies.export import export_profile
+from hf_selfspec.tuning.studies.space import warm_start_trials
+from hf_selfspec.tuning.studies.storage import derive_study_name
 from hf_selfspec.tuning.tune import run_tune
 
 
@@ -49,7 +49,7 @@ def workspace(tmp_path, monkeypatch):
         raise AssertionError("a model loaded before the bad input was refused")
 
     monkeypatch.setattr("hf_selfspec.loading.load_model_and_tokenizer", no_model_load)
-    monkeypatch.setattr("hf_selfspec.tuning.toml_reader.load_model_and_tokenizer", no_model_load)
+    monkeypatch.setattr("hf_selfspec.tuning.studies.toml_reader.load_model_and_tokenizer", no_model_load)
     return tmp_path
 
 

@@ -11,16 +11,14 @@ import types
 import optuna
 import pytest
 
-from hf_selfspec.tuning.estimate import (
+from hf_selfspec.tuning.costmodel.drift import CostModelWatch, rescaled_overheads
+from hf_selfspec.tuning.costmodel.prices import (
     CostModel,
-    CostModelWatch,
-    interleaved_medians,
     nondecreasing,
-    rescaled_overheads,
-    typical_seconds,
     verification_knots,
     verification_prices,
 )
+from hf_selfspec.tuning.costmodel.timing import interleaved_medians, typical_seconds
 
 BASE = {"plain step": 1.0, "wide verification": 3.0, "draft": 0.5}
 ROUNDS = 5

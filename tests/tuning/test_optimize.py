@@ -18,7 +18,7 @@ from hf_selfspec.cli import main
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import read_profiles, read_profiles_file
 from hf_selfspec.tuning import optimize as optimize_module
-from hf_selfspec.tuning.config import load_study_config
+from hf_selfspec.tuning.studies.config import load_study_config
 from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
 from hf_selfspec.tuning.optimize import (
     STAGES, STATE_FILE, STUDY_FILE, WORK_DIR, adapter_plan, adapter_text_tokens, corpus_plan, tune_prompts,
@@ -302,7 +302,7 @@ def test_a_corpus_without_two_chunks_skips_the_adapter_and_says_why(tiny_llama_d
     and it leaves no training config behind that would train nothing."""
     import torch
 
-    from hf_selfspec.tuning import train_adapter
+    from hf_selfspec.tuning.training import train_adapter
 
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(train_adapter, "training_chunks", lambda *args: torch.zeros((1, 256), dtype=torch.long))

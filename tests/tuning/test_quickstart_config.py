@@ -9,10 +9,10 @@ from hf_selfspec.adapter import read_adapter_shape
 from hf_selfspec.lookup_corpus import read_corpus_description
 from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD_CATEGORIES
 from hf_selfspec.strategies import resolve_strategy
-from hf_selfspec.tuning.knobs import strategy_knobs
-from hf_selfspec.tuning.config import load_study_config
+from hf_selfspec.tuning.studies.knobs import strategy_knobs
+from hf_selfspec.tuning.studies.config import load_study_config
 from hf_selfspec.tuning.quickstart import QUICKSTART_CONFIG, demo_prompt
-from hf_selfspec.tuning.study_prompts import select_study_prompts
+from hf_selfspec.tuning.studies.study_prompts import select_study_prompts
 
 
 def test_the_quickstart_searches_kangaroo_and_lookup_with_the_shipped_files():

@@ -19,13 +19,13 @@ from helpers.tuning import kill_once_written
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.lookup_corpus import SEPARATOR
 from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD, WORKLOAD_CATEGORIES, load_prompts
-from tuning import model_text, self_prompted
-from tuning.config import StudyConfigError
-from tuning.evaluation_texts import EvaluationOverlap, chat_prompts_path, evaluation_texts
-from tuning.self_prompted import answer_prompt, open_user_turn, passages, self_prompted_texts
-from tuning.corpus import CorpusConfig, interleave
-from tuning.train_adapter import load_train_config
-from tuning.write_lookup_corpus import load_lookup_corpus_config, run_write_lookup_corpus
+from hf_selfspec.tuning.training import model_text, self_prompted
+from hf_selfspec.tuning.studies.config import StudyConfigError
+from hf_selfspec.tuning.training.evaluation_texts import EvaluationOverlap, chat_prompts_path, evaluation_texts
+from hf_selfspec.tuning.training.self_prompted import answer_prompt, open_user_turn, passages, self_prompted_texts
+from hf_selfspec.tuning.training.corpus import CorpusConfig, interleave
+from hf_selfspec.tuning.training.train_adapter import load_train_config
+from hf_selfspec.tuning.training.write_lookup_corpus import load_lookup_corpus_config, run_write_lookup_corpus
 
 SMALL = CorpusConfig(self_prompted=8, max_request_tokens=24, answer_tokens=8)
 
@@ -144,7 +144,7 @@ def _lookup_config(directory: Path, model_dir: Path, corpus: str) -> Path:
 
 SELF_PROMPTED_TOML = "self_prompted = 8\nmax_request_tokens = 24\nanswer_tokens = 8\n"
 # The CLI with generation batches of two, so that sampling takes several batches to kill between.
-_CLI = ("import sys; from hf_selfspec.tuning import model_text; model_text.GENERATION_BATCH = 2; "
+_CLI = ("import sys; from hf_selfspec.tuning.training import model_text; model_text.GENERATION_BATCH = 2; "
         "from hf_selfspec.cli import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -15,15 +15,15 @@ from helpers.tuning import kill_once_written
 
 from hf_selfspec.adapter import read_adapter
 from hf_selfspec.loading import load_model_and_tokenizer
-from tuning.config import StudyConfigError
-from tuning import model_text
-from tuning.corpus import (
+from hf_selfspec.tuning.studies.config import StudyConfigError
+from hf_selfspec.tuning.training import model_text
+from hf_selfspec.tuning.training.corpus import (
     CorpusConfig, corpus_chunks, generation_prompts, humaneval_problems, split_stdlib_stream, stdlib_function_prompts,
 )
-from tuning.model_text import generated_texts
-from tuning import training as training_module
-from tuning.train_adapter import load_train_config, run_train_adapter
-from tuning.training import covering_vocabulary, time_training_step
+from hf_selfspec.tuning.training.model_text import generated_texts
+from hf_selfspec.tuning.training import training as training_module
+from hf_selfspec.tuning.training.train_adapter import load_train_config, run_train_adapter
+from hf_selfspec.tuning.training.training import covering_vocabulary, time_training_step
 
 STEPS = 300
 
@@ -228,7 +228,7 @@ def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_l
     trains on, written beside its config with what it was made from."""
     from hf_selfspec.cli import main
     from hf_selfspec.lookup_corpus import SEPARATOR, read_corpus_description
-    from tuning.corpus import generated_text_file
+    from hf_selfspec.tuning.training.corpus import generated_text_file
 
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
     model = f'[model]\nname = "{tiny_llama_dir}"\n'
@@ -259,7 +259,7 @@ def test_write_lookup_corpus_shares_the_generated_text_with_train_adapter(tiny_l
      ("humaneval_from = 20\ngenerated_tokens = 4", "corpus.humaneval_from: HumanEval problems below 40")],
 )
 def test_a_lookup_corpus_config_keeps_to_the_models_own_text_and_out_of_evaluation(tmp_path, corpus, words):
-    from tuning.write_lookup_corpus import load_lookup_corpus_config
+    from hf_selfspec.tuning.training.write_lookup_corpus import load_lookup_corpus_config
 
     path = tmp_path / "corpus.toml"
     path.write_text(f'[model]\nname = "embedded"\n[corpus]\n{corpus}\n[output]\nname = "x"\n')

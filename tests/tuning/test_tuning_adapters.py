@@ -21,9 +21,9 @@ from hf_selfspec.hub.package import PackageError, package
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import PROFILE_KEY
 from hf_selfspec.tuning import TuningError
-from hf_selfspec.tuning.config import StudyConfigError, load_study_config
-from hf_selfspec.tuning.export import ExportError, export_profile
-from hf_selfspec.tuning.space import ADAPTER_PARAM, decode_params, suggest_params, warm_start_trials
+from hf_selfspec.tuning.studies.config import StudyConfigError, load_study_config
+from hf_selfspec.tuning.studies.export import ExportError, export_profile
+from hf_selfspec.tuning.studies.space import ADAPTER_PARAM, decode_params, suggest_params, warm_start_trials
 from hf_selfspec.tuning.tune import format_summary, run_tune
 
 N_TRIALS = 3

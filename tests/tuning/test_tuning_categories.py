@@ -16,18 +16,19 @@ from helpers.tuning import ScriptedConfirmation, make_tuned_looking_study
 from hf_selfspec.measure import TimedRun
 from hf_selfspec.prompts import TUNE_SPLIT, WORKLOAD, WORKLOAD_CATEGORIES
 from hf_selfspec.stats import StrategyStats, geometric_mean
-from hf_selfspec.tuning.categories import (
+from hf_selfspec.tuning.studies.categories import (
     CATEGORY_GEOMETRIC_MEAN,
     FLOOR_CONSTRAINT,
     POOLED,
     alternating_order,
 )
-from hf_selfspec.tuning.config import PromptConfig, SearchConfig, StudyConfig, StudySettings
-from hf_selfspec.tuning.estimate import CostModel, EstimatedSpeedupObjective
-from hf_selfspec.tuning.objective import PreparedPrompt, SpeedupObjective
-from hf_selfspec.tuning.space import warm_start_trials
-from hf_selfspec.tuning.storage import StudyContext, derive_study_name
-from hf_selfspec.tuning.study_prompts import select_study_prompts
+from hf_selfspec.tuning.studies.config import PromptConfig, SearchConfig, StudyConfig, StudySettings
+from hf_selfspec.tuning.costmodel.estimated import EstimatedSpeedupObjective
+from hf_selfspec.tuning.costmodel.prices import CostModel
+from hf_selfspec.tuning.studies.objective import PreparedPrompt, SpeedupObjective
+from hf_selfspec.tuning.studies.space import warm_start_trials
+from hf_selfspec.tuning.studies.storage import StudyContext, derive_study_name
+from hf_selfspec.tuning.studies.study_prompts import select_study_prompts
 from hf_selfspec.tuning.tune import TuneOutcome, confirm_estimates, format_summary
 
 NUM_LAYERS = 4
@@ -128,7 +129,7 @@ def _scripted_timed_generate(model, inputs, strategy=None, **kwargs):
 
 
 def _run_measured(monkeypatch, categories: dict[str, str | None], floor: float | None):
-    monkeypatch.setattr("hf_selfspec.tuning.objective.timed_generate", _scripted_timed_generate)
+    monkeypatch.setattr("hf_selfspec.tuning.studies.objective.timed_generate", _scripted_timed_generate)
     prompts = []
     for prompt_id, category in categories.items():
         prompt = _prepared(prompt_id, category)
@@ -179,7 +180,7 @@ def test_a_near_tie_that_ends_sooner_is_not_credited_as_speed(monkeypatch):
             return TimedRun(tokens, 2.0, None)  # 4 tokens in 2 s
         return TimedRun([3, 5], 0.5, StrategyStats(drafted_tokens=2, accepted_tokens=1))  # 2 tokens in 0.5 s
 
-    monkeypatch.setattr("hf_selfspec.tuning.objective.timed_generate", scripted)
+    monkeypatch.setattr("hf_selfspec.tuning.studies.objective.timed_generate", scripted)
     objective = SpeedupObjective(SimpleNamespace(dtype=torch.bfloat16), [prompt], SearchConfig(), NUM_LAYERS, {}, "test")
     study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
     study.enqueue_trial(warm_start_trials(SearchConfig(), NUM_LAYERS)[0])
@@ -200,15 +201,15 @@ def test_a_category_below_the_floor_makes_the_trial_infeasible(monkeypatch, floo
 
 def test_the_estimated_objective_is_per_category_too(monkeypatch):
     """The estimate's seconds stand in for the measured ones, category by category."""
-    monkeypatch.setattr("hf_selfspec.tuning.estimate.draft_predictions", lambda model, data, params: None)
+    monkeypatch.setattr("hf_selfspec.tuning.costmodel.estimated.draft_predictions", lambda model, data, params: None)
     monkeypatch.setattr(
-        "hf_selfspec.tuning.estimate.estimate_decode",
+        "hf_selfspec.tuning.costmodel.estimated.estimate_decode",
         lambda model, data, params, strategy, draft, cost: (
             SCRIPT[data.prompt.id][1],
             StrategyStats(drafted_tokens=SCRIPT[data.prompt.id][2], accepted_tokens=SCRIPT[data.prompt.id][3]),
         ),
     )
-    monkeypatch.setattr("hf_selfspec.tuning.estimate.plain_seconds", lambda data, cost: SCRIPT[data.prompt.id][0])
+    monkeypatch.setattr("hf_selfspec.tuning.costmodel.estimated.plain_seconds", lambda data, cost: SCRIPT[data.prompt.id][0])
     forced = [SimpleNamespace(prompt=_prepared(prompt_id, category), reference=[1, 2, 3])
               for prompt_id, category in CATEGORY.items()]
     cost = CostModel(NUM_LAYERS, (0.0,) * 16, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -272,8 +273,8 @@ def test_a_study_on_categorised_prompts_tunes_their_geometric_mean_under_a_floor
         "confirm_top = 1\ncategory_floor = 1000\n",
         encoding="utf-8",
     )
-    from hf_selfspec.tuning.config import load_study_config
-    from hf_selfspec.tuning.export import ExportError, export_profile
+    from hf_selfspec.tuning.studies.config import load_study_config
+    from hf_selfspec.tuning.studies.export import ExportError, export_profile
     from hf_selfspec.tuning.tune import run_tune
 
     outcome = run_tune(load_study_config(tmp_path / "study.toml"), n_trials=2, show_progress=False)

@@ -10,8 +10,8 @@ from helpers import REPO_ROOT
 
 from hf_selfspec.cli import main
 from hf_selfspec.params import PARAM_NAMES, default_skip_layers, resolve_params
-from hf_selfspec.tuning.config import SearchConfig, StudyConfigError, load_study_config
-from hf_selfspec.tuning.space import (
+from hf_selfspec.tuning.studies.config import SearchConfig, StudyConfigError, load_study_config
+from hf_selfspec.tuning.studies.space import (
     decode_params,
     evenly_spread_layers,
     skip_param_name,
@@ -46,8 +46,8 @@ SHIPPED_PROFILES = REPO_ROOT / "hf_selfspec" / "data" / "tuned" / "smollm2-135m-
 def test_every_shipped_recipe_writes_over_the_file_the_package_ships(path):
     """The recipes that made the shipped adapters and lookup corpora live in studies/, their
     output in the package: rerunning one must replace the shipped file, not leave a stray copy."""
-    from hf_selfspec.tuning.train_adapter import load_train_config
-    from hf_selfspec.tuning.write_lookup_corpus import load_lookup_corpus_config
+    from hf_selfspec.tuning.training.train_adapter import load_train_config
+    from hf_selfspec.tuning.training.write_lookup_corpus import load_lookup_corpus_config
 
     if "[adapter]" in path.read_text(encoding="utf-8"):
         config = load_train_config(path)

@@ -14,11 +14,11 @@ from helpers.tuning import ScriptedConfirmation, make_tuned_looking_study
 
 from hf_selfspec.measure import TimedRun
 from hf_selfspec.stats import StrategyStats
-from hf_selfspec.tuning.categories import rotation_offsets
-from hf_selfspec.tuning.config import SearchConfig, StudyConfig, StudySettings
-from hf_selfspec.tuning.objective import LosslessViolation, PreparedPrompt, SpeedupObjective
-from hf_selfspec.tuning.space import warm_start_trials
-from hf_selfspec.tuning.storage import StudyContext
+from hf_selfspec.tuning.studies.categories import rotation_offsets
+from hf_selfspec.tuning.studies.config import SearchConfig, StudyConfig, StudySettings
+from hf_selfspec.tuning.studies.objective import LosslessViolation, PreparedPrompt, SpeedupObjective
+from hf_selfspec.tuning.studies.space import warm_start_trials
+from hf_selfspec.tuning.studies.storage import StudyContext
 from hf_selfspec.tuning.tune import confirm_estimates
 
 NUM_LAYERS = 4
@@ -61,7 +61,7 @@ def test_trials_measured_side_by_side_share_one_plain_decode_of_each_prompt(monk
             return TimedRun(tokens, 4.0, StrategyStats(drafted_tokens=4, accepted_tokens=1))
         return TimedRun(TOKENS, 1.0, StrategyStats(drafted_tokens=4, accepted_tokens=3))
 
-    monkeypatch.setattr("hf_selfspec.tuning.objective.timed_generate", scripted)
+    monkeypatch.setattr("hf_selfspec.tuning.studies.objective.timed_generate", scripted)
     prompts = [_prompt("a1", "A"), _prompt("b1", "B"), _prompt("a2", "A"), _prompt("b2", "B")]
     objective = SpeedupObjective(SimpleNamespace(dtype=torch.float32), prompts, SearchConfig(), NUM_LAYERS, {}, "t")
     trials = _trials()
@@ -98,7 +98,7 @@ def test_each_round_decodes_every_contender_again_in_the_next_order_and_pools_th
             return TimedRun([1, 9, 3] if second else TOKENS, 1.0, StrategyStats(drafted_tokens=4, accepted_tokens=1))
         return TimedRun(TOKENS, 1.0, StrategyStats(drafted_tokens=4, accepted_tokens=3))
 
-    monkeypatch.setattr("hf_selfspec.tuning.objective.timed_generate", scripted)
+    monkeypatch.setattr("hf_selfspec.tuning.studies.objective.timed_generate", scripted)
     prompts = [_prompt("a1", "A"), _prompt("b1", "B")]
     objective = SpeedupObjective(SimpleNamespace(dtype=torch.float32), prompts, SearchConfig(), NUM_LAYERS, {}, "t")
     trials = _trials()

@@ -13,7 +13,7 @@ from helpers.tuning import cli_command, cli_env, free_port, make_tuned_looking_s
 
 import optuna
 
-from hf_selfspec.tuning.dashboard import describe_trial, write_study_note
+from hf_selfspec.tuning.studies.dashboard import describe_trial, write_study_note
 
 STARTUP_SECONDS = 90
 

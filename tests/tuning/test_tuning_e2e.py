@@ -17,10 +17,10 @@ from helpers.tuning import write_study_config
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import PROFILE_KEY, read_profiles_file
 from hf_selfspec.prompts import encode_prompt, load_prompts
-from hf_selfspec.tuning.config import SearchConfig, load_study_config
-from hf_selfspec.tuning.dashboard import study_note
-from hf_selfspec.tuning.export import export_profile
-from hf_selfspec.tuning.objective import LosslessViolation, PreparedPrompt, SpeedupObjective
+from hf_selfspec.tuning.studies.config import SearchConfig, load_study_config
+from hf_selfspec.tuning.studies.dashboard import study_note
+from hf_selfspec.tuning.studies.export import export_profile
+from hf_selfspec.tuning.studies.objective import LosslessViolation, PreparedPrompt, SpeedupObjective
 from hf_selfspec.tuning.tune import format_summary, run_tune
 
 N_TRIALS = 4

@@ -28,24 +28,17 @@ from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
 from helpers.adapters import random_adapter
 from helpers.tiny_models import NUM_LAYERS, tiny_model
-from hf_selfspec.tuning.config import SearchConfig, StudyConfigError, load_study_config
-from hf_selfspec.tuning.estimate import (
-    CostModel,
-    EstimatedSpeedupObjective,
-    PricedClock,
-    TeacherForcedPrompt,
-    calibrate,
-    check_supported,
-    draft_predictions,
-    estimate_decode,
-    plain_seconds,
-    teacher_force,
-    typical_seconds,
-    verification_runs,
-)
-from hf_selfspec.tuning.export import export_profile
-from hf_selfspec.tuning.objective import PreparedPrompt
-from hf_selfspec.tuning.space import decode_params, warm_start_trials
+from hf_selfspec.tuning.studies.config import SearchConfig, StudyConfigError, load_study_config
+from hf_selfspec.tuning.costmodel.calibration import calibrate, verification_runs
+from hf_selfspec.tuning.costmodel.estimated import EstimatedSpeedupObjective
+from hf_selfspec.tuning.costmodel.predictions import draft_predictions
+from hf_selfspec.tuning.costmodel.priced_decode import PricedClock, estimate_decode, plain_seconds
+from hf_selfspec.tuning.costmodel.prices import CostModel
+from hf_selfspec.tuning.costmodel.teacher_forcing import TeacherForcedPrompt, check_supported, teacher_force
+from hf_selfspec.tuning.costmodel.timing import typical_seconds
+from hf_selfspec.tuning.studies.export import export_profile
+from hf_selfspec.tuning.studies.objective import PreparedPrompt
+from hf_selfspec.tuning.studies.space import decode_params, warm_start_trials
 from hf_selfspec.tuning.tune import format_summary, run_tune
 
 pytestmark = pytest.mark.version_sensitive
@@ -408,7 +401,7 @@ def test_plain_is_priced_at_its_decodes_step_against_the_verifiers_and_the_overh
     the stock decode spends beyond its forward passes, timed within it, in the cost model's
     units. A busy machine's long tail of slow calls, which a few short timed calls miss but a
     long decode pays (here its forward passes take 1.6 times their price), moves neither."""
-    from hf_selfspec.tuning import estimate
+    from hf_selfspec.tuning.costmodel import calibration
 
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     steps, prefill, step, verifier_step, overhead, tail = len(data.reference), 0.5, 0.8, 1.0, 0.02, [1.0]
@@ -427,7 +420,7 @@ def test_plain_is_priced_at_its_decodes_step_against_the_verifiers_and_the_overh
             return (prefill + (steps - 1) * step + steps * overhead) * tail[0]
         return {"prefill": prefill, "plain_decode_on_verifier_kernels": 0.0}.get(running[0], 1.0)
 
-    monkeypatch.setattr(estimate, "forward_timings", forward_timings)
+    monkeypatch.setattr(calibration, "forward_timings", forward_timings)
     for slower in (1.0, 1.6):
         tail[0] = slower
         cost = calibrate(sharp_llama, data, NUM_LAYERS, 4, timer=timer)
@@ -442,7 +435,7 @@ def test_plain_is_priced_in_the_ratio_its_decodes_keep_to_the_verifiers_one_toke
     same kernels averaged (a busy machine's short calls landing behind the neighbour), plain's
     step is priced at twice its decode's step too: plain and every verification stand in the
     ratio their decodes' steps keep, whatever the level the short calls read."""
-    from hf_selfspec.tuning import estimate
+    from hf_selfspec.tuning.costmodel import calibration
 
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     running = [""]
@@ -457,7 +450,7 @@ def test_plain_is_priced_in_the_ratio_its_decodes_keep_to_the_verifiers_one_toke
         run()
         return 1.8
 
-    monkeypatch.setattr(estimate, "forward_timings", forward_timings)
+    monkeypatch.setattr(calibration, "forward_timings", forward_timings)
     cost = calibrate(sharp_llama, data, NUM_LAYERS, 4, timer=timer)
     assert cost.verify(1) == pytest.approx(1.8)
     assert cost.plain_forward() == pytest.approx(1.8 * 1.2 / 0.9)
@@ -467,12 +460,12 @@ def test_the_verifier_is_priced_over_every_text_it_is_timed_after(sharp_llama, m
     """Timed after two texts, the verifier's passes take turns between them, and a width's price
     is the typical of all its timings: here a one-token pass costs 1 after the short text and 2
     after the long one, so the price lies between, where the short text's alone gives 1."""
-    from hf_selfspec.tuning import estimate
+    from hf_selfspec.tuning.costmodel import calibration
 
     short, long = (teacher_force(sharp_llama, _prepared(sharp_llama, length, seed=3), NEW_TOKENS) for length in (11, 17))
     after: list[int] = []  # the length of text the run's forward passes ran after
     one_token: list[float] = []  # every one-token verification's timing
-    forward = estimate._forward
+    forward = calibration.verifier_forward
 
     def recording_forward(model, input_ids, start, *args, **kwargs):
         after.append(start)
@@ -491,8 +484,8 @@ def test_the_verifier_is_priced_over_every_text_it_is_timed_after(sharp_llama, m
         one_token.append(2.0 if after == [long.kv_length] else 1.0)
         return one_token[-1]
 
-    monkeypatch.setattr(estimate, "_forward", recording_forward)
-    monkeypatch.setattr(estimate, "forward_timings", forward_timings)
+    monkeypatch.setattr(calibration, "verifier_forward", recording_forward)
+    monkeypatch.setattr(calibration, "forward_timings", forward_timings)
     assert calibrate(sharp_llama, short, NUM_LAYERS, 4, timer=timer).verify(1) == 1.0
     one_token.clear()
     cost = calibrate(sharp_llama, short, NUM_LAYERS, 4, timer=timer, verified_after=[short, long])
@@ -505,7 +498,7 @@ def _scripted_loop_decode(monkeypatch, data: TeacherForcedPrompt, forwards, draf
     """Has `calibrate_loop`'s probe decode of `data` take the forward passes `forwards`
     (`(width, idle seconds)`), `draft` idle seconds of drafting and `outside` idle seconds of the
     loop's own work, all times `load[0]`, without decoding."""
-    from hf_selfspec.tuning import estimate
+    from hf_selfspec.tuning.costmodel import calibration
 
     recorded: list = []
 
@@ -521,8 +514,8 @@ def _scripted_loop_decode(monkeypatch, data: TeacherForcedPrompt, forwards, draf
         stats = StrategyStats(verification_steps=len(forwards) - 1, draft_seconds=draft * load[0])
         return types.SimpleNamespace(seconds=total * load[0], stats=stats)
 
-    monkeypatch.setattr(estimate, "forward_timings", forward_timings)
-    monkeypatch.setattr(estimate, "timed_generate", timed_generate)
+    monkeypatch.setattr(calibration, "forward_timings", forward_timings)
+    monkeypatch.setattr(calibration, "timed_generate", timed_generate)
 
 
 def test_a_load_while_the_loop_is_timed_is_not_taken_for_its_overhead(sharp_llama, monkeypatch):
@@ -530,34 +523,34 @@ def test_a_load_while_the_loop_is_timed_is_not_taken_for_its_overhead(sharp_llam
     timed in that decode: a neighbour that slows everything threefold, or a draft dearer than the
     cost model says, leaves it as it reads on an idle machine; forward passes timed cheaper than
     the cost model prices them read it in the cost model's units."""
-    from hf_selfspec.tuning import estimate
+    from hf_selfspec.tuning.costmodel import calibration
 
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     cost = dataclasses.replace(PRICES, loop_step_overhead=0.0)
     steps, overhead, load = 6, 0.05, [1.0]
     forwards = [(data.prompt_length, data.prefill_seconds), *((4, cost.verify(4)),) * (steps - 1)]
     _scripted_loop_decode(monkeypatch, data, forwards, 2.0, steps * overhead, load)
-    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+    assert calibration.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
     load[0] = 3.0
-    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+    assert calibration.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
 
     _scripted_loop_decode(monkeypatch, data, forwards, 20.0, steps * overhead, load)
-    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+    assert calibration.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
 
     halved = [(width, seconds / 2) for width, seconds in forwards]
     _scripted_loop_decode(monkeypatch, data, halved, 1.0, steps * overhead / 2, load)
-    assert estimate.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
+    assert calibration.calibrate_loop(sharp_llama, cost, [data], {}).loop_step_overhead == pytest.approx(overhead)
 
 
 def test_the_loop_probe_times_the_prefill_and_every_verification_of_its_decode(sharp_llama):
     """`forward_timings` sees the full model's own forward passes in a real decode, and no
     draft's: the prompt's prefill, then one verification of each step, as wide as its draft and
     the newest committed token."""
-    from hf_selfspec.tuning import estimate
+    from hf_selfspec.tuning.costmodel import calibration
 
     inputs = _prepared(sharp_llama, 11, seed=3).inputs
     kwargs = {"strategy": "self_speculative", "max_new_tokens": NEW_TOKENS, "do_sample": False}
-    kwargs |= resolve_params(NUM_LAYERS, estimate._LOOP_PROBE).as_dict()
+    kwargs |= resolve_params(NUM_LAYERS, calibration._LOOP_PROBE).as_dict()
     with forward_timings(sharp_llama) as forwards:
         run = timed_generate(sharp_llama, inputs, **kwargs)
     assert run.stats.verification_steps > 1
@@ -752,14 +745,14 @@ def test_an_estimated_study_re_checks_its_cost_model_and_records_each_re_time(tm
     model again, which the study records, with the prices it then estimates at."""
     from functools import partialmethod
 
-    from hf_selfspec.tuning import estimate
-    from hf_selfspec.tuning.estimate import CostModelWatch
+    from hf_selfspec.tuning.costmodel import drift
+    from hf_selfspec.tuning.costmodel.drift import CostModelWatch
 
     monkeypatch.setattr(CostModelWatch, "__init__", partialmethod(CostModelWatch.__init__, every=1))
     monkeypatch.setattr(CostModelWatch, "_drift", lambda self, ratio: 1)
-    rescaled = estimate.rescaled_overheads
+    rescaled = drift.rescaled_overheads
     retimed_constants = iter((101.0, 102.0))
-    monkeypatch.setattr(estimate, "rescaled_overheads", lambda old, new: dataclasses.replace(
+    monkeypatch.setattr(drift, "rescaled_overheads", lambda old, new: dataclasses.replace(
         rescaled(old, new), draft_constant=next(retimed_constants)))
     path = _estimated_study_config(tmp_path, tiny_llama_dir, n_trials=4)
     outcome = run_tune(load_study_config(path), show_progress=False)

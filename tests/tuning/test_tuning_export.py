@@ -10,7 +10,7 @@ from helpers.tuning import make_tuned_looking_study
 
 from hf_selfspec.cli import main
 from hf_selfspec.profiles import PROFILE_KEY
-from hf_selfspec.tuning.export import ExportError, export_profile
+from hf_selfspec.tuning.studies.export import ExportError, export_profile
 
 
 @pytest.fixture

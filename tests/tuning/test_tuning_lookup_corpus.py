@@ -18,8 +18,8 @@ from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.lookup_corpus import save_lookup_corpus
 from hf_selfspec.profiles import PROFILE_KEY
 from hf_selfspec.tuning import TuningError
-from hf_selfspec.tuning.config import StudyConfigError, load_study_config
-from hf_selfspec.tuning.export import ExportError, export_profile
+from hf_selfspec.tuning.studies.config import StudyConfigError, load_study_config
+from hf_selfspec.tuning.studies.export import ExportError, export_profile
 from hf_selfspec.tuning.tune import run_tune
 
 N_TRIALS = 2

@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 from helpers import REPO_ROOT
 from helpers.tuning import cli_command, cli_env, write_study_config
 
-from hf_selfspec.tuning.storage import open_storage
+from hf_selfspec.tuning.studies.storage import open_storage
 
 URL_VARIABLE = "HF_SELFSPEC_TEST_POSTGRES_URL"
 TRIALS_PER_WORKER = 3

@@ -15,10 +15,10 @@ from helpers.tuning import cli_env, make_tuned_looking_study
 import hf_selfspec
 from hf_selfspec.strategies import TargetConfidenceGated
 from hf_selfspec.tuning import TuningError
-from hf_selfspec.tuning.config import SearchConfig, StudyConfigError, load_study_config
-from hf_selfspec.tuning.export import export_profile
-from hf_selfspec.tuning.knobs import strategy_knobs
-from hf_selfspec.tuning.space import SUB_LAYERS, skip_param_name, suggest_params
+from hf_selfspec.tuning.studies.config import SearchConfig, StudyConfigError, load_study_config
+from hf_selfspec.tuning.studies.export import export_profile
+from hf_selfspec.tuning.studies.knobs import strategy_knobs
+from hf_selfspec.tuning.studies.space import SUB_LAYERS, skip_param_name, suggest_params
 from hf_selfspec.tuning.tune import run_tune
 
 # The knobs each built-in strategy's trials searched before the strategies declared them, in the

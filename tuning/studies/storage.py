@@ -24,10 +24,9 @@ from optuna.storages import RDBStorage
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, NoSuchModuleError, ProgrammingError
 
-from hf_selfspec.embedded import EMBEDDED_NAME
-from hf_selfspec.loading import EMBEDDED
+from hf_selfspec.tuner_api import EMBEDDED, EMBEDDED_NAME
 
-from . import TuningError
+from .. import TuningError
 from .config import PromptConfig, StudyConfig
 from .toml_reader import ModelConfig
 

@@ -14,11 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_selfspec.inputs import InputError, model_name, read_text_file, usable_device
-from hf_selfspec.dtypes import AUTO, parse_dtype
-from hf_selfspec.loading import EMBEDDED, load_model_and_tokenizer
+from hf_selfspec.tuner_api import (
+    AUTO,
+    EMBEDDED,
+    InputError,
+    load_model_and_tokenizer,
+    model_name,
+    parse_dtype,
+    read_text_file,
+    usable_device,
+)
 
-from . import TuningError
+from .. import TuningError
 
 
 class StudyConfigError(TuningError):

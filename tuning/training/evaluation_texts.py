@@ -15,7 +15,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from hf_selfspec.prompts import HUMANEVAL, WORKLOAD, load_prompts, read_jsonl_prompts
+from hf_selfspec.tuner_api import HUMANEVAL, WORKLOAD, load_prompts, read_jsonl_prompts
 
 # HumanEval problems 0-39 are what the bench and the tuner score on.
 FIRST_TRAINABLE_HUMANEVAL = 40

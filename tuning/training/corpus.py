@@ -10,7 +10,7 @@ solutions being used) and `stdlib_prompts` windows of standard-library text gree
 judged on the model's own continuations, so that is the text it should learn; the generated
 text is cached batch by batch, so a killed run does not generate it again. With `self_prompted`,
 the model also writes conversations: requests it samples itself and its greedy answers
-(`tuning/self_prompted.py`), interleaved with the code text.
+(`tuning/training/self_prompted.py`), interleaved with the code text.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from typing import Iterator
 
 import torch
 
-from hf_selfspec.files import cache_root
+from hf_selfspec.tuner_api import cache_root
 
 from .evaluation_texts import FIRST_TRAINABLE_HUMANEVAL
 from .model_text import generated_texts
 from .self_prompted import DEFAULT_TASK_SEEDS, KEYS as SELF_PROMPTED_KEYS, TASK_SEEDS, self_prompted_dir, self_prompted_texts
-from .toml_reader import ModelConfig, TomlReader, read_section
+from ..studies.toml_reader import ModelConfig, TomlReader, read_section
 
 
 @dataclass(frozen=True)

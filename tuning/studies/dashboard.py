@@ -13,10 +13,9 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from hf_selfspec.params import SelfSpecParams
-from hf_selfspec.policies import AdaptiveLookupLength
+from hf_selfspec.tuner_api import AdaptiveLookupLength, SelfSpecParams
 
-from . import TuningError
+from .. import TuningError
 from .categories import describe_categories, is_feasible
 from .storage import StudyContext, display_url, open_storage
 

@@ -15,15 +15,11 @@ from pathlib import Path
 
 import torch
 
-from hf_selfspec.adapter import check_exit_layer
-from hf_selfspec.files import cache_root
-from hf_selfspec.files import adapter_files
-from hf_selfspec.inputs import file_stem
-from hf_selfspec.layer_skip import decoder_layers
+from hf_selfspec.tuner_api import adapter_files, cache_root, check_exit_layer, decoder_layers, file_stem
 
 from .corpus import CorpusConfig, corpus_chunks, generated_text_file, read_corpus
 from .teacher import teacher_outputs
-from .toml_reader import ModelConfig, StudyConfigError, read_model_section, read_section, read_toml_config
+from ..studies.toml_reader import ModelConfig, StudyConfigError, read_model_section, read_section, read_toml_config
 from .training import TrainingConfig, train_exit_layer
 
 

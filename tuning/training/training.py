@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
-from hf_selfspec.measure import timed
+from hf_selfspec.tuner_api import AdapterShape, DraftAdapter, save_adapter, timed
 
 from .model_text import atomic_save
 from .teacher import TEACHER_BATCH, TeacherOutputs

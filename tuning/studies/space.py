@@ -15,7 +15,7 @@ from typing import Any
 
 import optuna
 
-from hf_selfspec.params import SelfSpecParams, default_skip_layers
+from hf_selfspec.tuner_api import SelfSpecParams, default_skip_layers
 
 from .config import SearchConfig
 from .knobs import KNOBS, strategy_knobs

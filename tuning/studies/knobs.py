@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_selfspec.params import SelfSpecParams
-from hf_selfspec.strategies import resolve_strategy
+from hf_selfspec.tuner_api import SelfSpecParams, resolve_strategy
 
-from . import TuningError
+from .. import TuningError
 
 
 @dataclass(frozen=True)

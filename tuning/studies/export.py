@@ -19,12 +19,19 @@ from typing import Any
 
 from optuna.trial import TrialState
 
-from hf_selfspec.inputs import InputError, output_directory
-from hf_selfspec.loading import EMBEDDED
-from hf_selfspec.profile_files import AdapterConflictError, adapter_digest, copy_adapter
-from hf_selfspec.profiles import TunedProfile, read_config_json, write_profile
+from hf_selfspec.tuner_api import (
+    EMBEDDED,
+    AdapterConflictError,
+    InputError,
+    TunedProfile,
+    adapter_digest,
+    copy_adapter,
+    output_directory,
+    read_config_json,
+    write_profile,
+)
 
-from . import TuningError
+from .. import TuningError
 from .categories import POOLED
 from .dashboard import best_trial, count_states, infeasible_trials
 from .space import decode_params
@@ -55,7 +62,7 @@ def _model_generation_config(context: StudyContext) -> dict[str, Any]:
     from transformers import AutoConfig, GenerationConfig
 
     if context.model == EMBEDDED:
-        from hf_selfspec.embedded import converted_model_dir
+        from hf_selfspec.tuner_api import converted_model_dir
 
         source: str | Path = converted_model_dir()
     else:

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_selfspec.files import adapter_files
+from hf_selfspec.tuner_api import adapter_files
 from hf_selfspec.hub.package import (
     BUNDLED_PROFILES_MODULE,
     CUSTOM_GENERATE_DIR,
     bundled_profiles_for_repository,
     check_package_folder,
 )
-from hf_selfspec.profile_files import files_named_by
-from hf_selfspec.profiles import read_config_json, read_profiles_file
+from hf_selfspec.tuner_api import files_named_by, read_config_json, read_profiles_file
 
-from . import TuningError
+from .. import TuningError
 from .export import CONFIG_NAME
 
 

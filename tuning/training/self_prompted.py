@@ -52,16 +52,15 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from hf_selfspec.files import cache_root
-from hf_selfspec.prompts import WORKLOAD_CATEGORIES
+from hf_selfspec.tuner_api import WORKLOAD_CATEGORIES, cache_root
 
-from . import TuningError
+from .. import TuningError
 from .evaluation_texts import EvaluationOverlap, evaluation_texts
 from . import model_text
 from .model_text import atomic_save, generated_texts, padded_batch
 
 if TYPE_CHECKING:
-    from .toml_reader import ModelConfig
+    from ..studies.toml_reader import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,18 @@ from typing import Any
 import optuna
 import torch
 
-from hf_selfspec.consistency import NEAR_TIE, Consistency, check_greedy_consistency
-from hf_selfspec.measure import TimedRun, timed_generate
-from hf_selfspec.params import resolve_params
-from hf_selfspec.prompts import Prompt, encode_prompt
-from hf_selfspec.stats import StrategyStats
-from hf_selfspec.strategies import PLAIN
+from hf_selfspec.tuner_api import (
+    NEAR_TIE,
+    PLAIN,
+    Consistency,
+    Prompt,
+    StrategyStats,
+    TimedRun,
+    check_greedy_consistency,
+    encode_prompt,
+    resolve_params,
+    timed_generate,
+)
 
 from .categories import CategorySpeedups, alternating_order, rotation_offsets
 from .config import SearchConfig

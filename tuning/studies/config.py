@@ -11,11 +11,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_selfspec.adapter import read_adapter, read_adapter_shape
-from hf_selfspec.files import adapter_files
-from hf_selfspec.lookup_corpus import read_corpus_description
-from hf_selfspec.prompts import HELD_OUT_SPLIT, HUMANEVAL, TUNE_SPLIT, WORKLOAD
-from hf_selfspec.strategies import available_strategies, resolve_strategy
+from hf_selfspec.tuner_api import (
+    HELD_OUT_SPLIT,
+    HUMANEVAL,
+    TUNE_SPLIT,
+    WORKLOAD,
+    adapter_files,
+    available_strategies,
+    read_adapter,
+    read_adapter_shape,
+    read_corpus_description,
+    resolve_strategy,
+)
 
 from .knobs import KNOBS, strategy_knobs
 from .toml_reader import ModelConfig, StudyConfigError, TomlReader, read_model_section, read_toml_config

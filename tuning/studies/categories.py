@@ -22,7 +22,7 @@ from typing import Any
 
 import optuna
 
-from hf_selfspec.stats import StrategyStats, geometric_mean
+from hf_selfspec.tuner_api import StrategyStats, geometric_mean
 
 # What a trial's value is, recorded on the trial and in the exported profile as `speedup_kind`.
 POOLED = "pooled"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from itertools import chain, zip_longest
 
-from hf_selfspec.prompts import WORKLOAD, Prompt, load_prompts
+from hf_selfspec.tuner_api import WORKLOAD, Prompt, load_prompts
 
 from .config import DEFAULT_N_PROMPTS, PromptConfig
 

@@ -13,13 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_selfspec.files import adapter_files
-from hf_selfspec.inputs import file_stem
-from hf_selfspec.lookup_corpus import save_lookup_corpus
+from hf_selfspec.tuner_api import adapter_files, file_stem, save_lookup_corpus
 
 from .corpus import CorpusConfig, generated_text_file, model_written_texts, read_corpus, split_stdlib_stream
 from .self_prompted import self_prompted_dir
-from .toml_reader import ModelConfig, StudyConfigError, read_model_section, read_section, read_toml_config
+from ..studies.toml_reader import ModelConfig, StudyConfigError, read_model_section, read_section, read_toml_config
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_selfspec.layer_skip import decoder_layers
+from hf_selfspec.tuner_api import decoder_layers
 
 from .model_text import atomic_save
 
