@@ -75,7 +75,7 @@ def _model_config(args: argparse.Namespace):
 def _with_model_flags(config, args: argparse.Namespace):
     """A study config with the [model] settings that `--dtype` and `--device` name in its place:
     a study tuned for another dtype or device is another study (its name says which)."""
-    from hf_selfspec.inputs import usable_device
+    from hf_selfspec.tuner_api import usable_device
 
     changes = {name: value for name, value in (("dtype", args.dtype), ("device", args.device)) if value is not None}
     if "device" in changes:
