@@ -1,8 +1,10 @@
-"""Prompt lookup: proposals copied from the text itself or from a lookup corpus, at no forward pass.
+"""Prompt lookup: proposals copied from the text itself, from a lookup corpus or from the online
+corpus of the model's earlier calls, at no forward pass.
 
 Code and edits repeat their own context (names, signatures, docstrings), so a matching n-gram
 often predicts several tokens at no model cost; where nothing matches, the model's draft still
-proposes. A strategy composes the sources (`TextLookup`, `CorpusLookup`) into a `PromptLookup`,
+proposes. A strategy composes the sources (`TextLookup`, `CorpusLookup`, `OnlineLookup`) into a
+`PromptLookup`,
 which decides at each step where the model may draft which of them, if any, proposes; every
 source and every back-off and length within learns from each verification's outcome.
 """
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoding_types import CORPUS_SOURCE, MODEL_SOURCE, TEXT_SOURCE, DecodingState, Draft, StepOutcome
+from .decoding_types import CORPUS_SOURCE, MODEL_SOURCE, ONLINE_SOURCE, TEXT_SOURCE, DecodingState, Draft, StepOutcome
 from .lookup_corpus import LookupCorpus
+from .online_corpus import OnlineCorpus
 from .policies import VERBATIM_REACH, Backoff, DraftSourceChoice, LookupLength
 
 
@@ -104,10 +107,34 @@ class CorpusLookup:
             self.length.learn(outcome)
 
 
+class OnlineLookup:
+    """What followed the text's current n-gram in the model's earlier calls (`OnlineCorpus`), as
+    long as the share of those occurrences agreeing with the proposal stays at `min_prob` or
+    above, up to `max_tokens`. It proposes where it is asked only while its `backoff` lets it
+    (`PromptLookup` says why)."""
+
+    def __init__(self, corpus: OnlineCorpus, min_ngram: int, max_ngram: int, max_tokens: int, min_prob: float,
+                 backoff: Backoff):
+        self.corpus, self.min_ngram, self.max_ngram = corpus, min_ngram, max_ngram
+        self.max_tokens, self.min_prob, self.backoff = max_tokens, min_prob, backoff
+
+    def propose(self, state: DecodingState, max_tokens: int) -> Draft:
+        text = state.sequence[0, max(0, state.length - self.max_ngram) : state.length].tolist()
+        tokens = self.corpus.continuation(text, self.min_ngram, self.max_ngram, min(max_tokens, self.max_tokens),
+                                          self.min_prob)
+        return _written(state, tokens, ONLINE_SOURCE)
+
+
 class PromptLookup:
     """Lookup's sources beside the model's draft: the text first, then the corpus (if any),
     then the model, whose drafts stay within `max_draft_tokens`. Where both lookup and the
     model could propose, `sources` picks which one does.
+
+    The online corpus (if any) goes before the text's own match unless that match is a verbatim
+    repeat (`VERBATIM_REACH`): a short match in the text is often chance (a `": "` of the JSON
+    the prompt shows), while the online corpus proposes only what most often followed the same
+    context across many calls, and only as far as that held; a verbatim repeat is the stronger
+    evidence of the two.
 
     Where the text has no match, the corpus and then the model propose only while their
     back-offs (the corpus's own, `model_backoff`) let them: each weighs the steps its source
@@ -128,15 +155,33 @@ class PromptLookup:
         sources: DraftSourceChoice,
         model_backoff: Backoff,
         max_draft_tokens: int,
+        online: OnlineLookup | None = None,
     ):
-        self.text, self.corpus, self.sources = text, corpus, sources
+        self.text, self.corpus, self.sources, self.online = text, corpus, sources, online
         self.model_backoff, self.max_draft_tokens = model_backoff, max_draft_tokens
         # The back-offs that decided the step being verified, each with the source it governs.
         self.asked: list[tuple[Backoff, str]] = []
 
+    def _online_first(self, state: DecodingState, max_tokens: int, ask_backoff: bool) -> Draft:
+        """The text's verbatim repeat if there is one, else the online corpus's proposal (where
+        its back-off lets it, if `ask_backoff`); empty if neither proposes."""
+        if self.online is None:
+            return Draft(source=TEXT_SOURCE)
+        draft = self.text.propose(state, max_tokens, min_reach=VERBATIM_REACH)
+        if draft.tokens:
+            return draft
+        draft = self.online.propose(state, max_tokens)
+        if draft.tokens and ask_backoff:
+            self.asked.append((self.online.backoff, ONLINE_SOURCE))
+            if not self.online.backoff.should_speculate():
+                return Draft(source=TEXT_SOURCE)
+        return draft
+
     def free(self, state: DecodingState, max_tokens: int) -> Draft:
         """What lookup proposes at a step where the model may not draft."""
-        draft = self.text.propose(state, max_tokens)
+        draft = self._online_first(state, max_tokens, ask_backoff=False)
+        if not draft.tokens:
+            draft = self.text.propose(state, max_tokens)
         if draft.tokens or self.corpus is None:
             return draft
         return self.corpus.propose(state, max_tokens)
@@ -149,7 +194,9 @@ class PromptLookup:
     def propose(self, state: DecodingState, max_tokens: int, model_draft: Callable[[int], Draft]) -> Draft:
         """What is proposed at a step where the model may draft (`model_draft(max_tokens)`)."""
         self.asked = []
-        draft = self.text.propose(state, max_tokens)
+        draft = self._online_first(state, max_tokens, ask_backoff=True)
+        if not draft.tokens:
+            draft = self.text.propose(state, max_tokens)
         if not draft.tokens and self.corpus is not None:
             corpus_draft = self.corpus.propose(state, max_tokens)
             if corpus_draft.tokens:
