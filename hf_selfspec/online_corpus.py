@@ -7,12 +7,18 @@ answer format asked a thousand times), so every finished generation's prompt and
 added here as one text, and later calls look up the continuation of their current n-gram in
 them, as suffix decoding does over finished responses.
 
-A proposal follows, token by token, the continuation most occurrences of the matched context
-agree on, and stops where the share of occurrences that still agree with the path falls under
-`min_prob`: how often a continuation followed this context decides how long the proposal is,
-so a context that always led to one tool call's JSON proposes all of it, and a context seen
-with many continuations proposes little or nothing. Only proposes: the verifier decides, so
-decoding stays lossless.
+The context is the text's longest suffix that occurred in the corpus, as a suffix tree finds
+it: an n-gram of up to `INDEXED_NGRAM` tokens looked up, then followed back token by token in
+each occurrence, up to `MAX_CONTEXT`, and only the occurrences that agree furthest back are
+kept. A short context recurs by chance (one token of JSON punctuation), a long one because the
+text is going the way an earlier one went. The proposal then follows, token by token, the
+continuation most of those occurrences agree on, and stops where the share of occurrences
+that still agree with the path falls under `min_prob`: how often a continuation followed this
+context decides how long the proposal is, so a context that always led to one tool call's
+JSON proposes all of it, and a context seen with many continuations proposes little or
+nothing. It proposes no more tokens than its context is long (suffix decoding's
+`max_spec_factor` of one): a match of three tokens is weak evidence for sixteen. Only
+proposes: the verifier decides, so decoding stays lossless.
 
 Memory is bounded by `max_tokens`: past it, the oldest texts go first, as a service's oldest
 traffic is the least like its next. Each n-gram's occurrences are kept oldest first, so
@@ -44,6 +50,8 @@ INDEXED_NGRAM = 4
 # The newest occurrences of a context that a proposal counts: a context as common as `", "` in
 # JSON occurs thousands of times, and the recent ones say more of the next request.
 COUNTED_OCCURRENCES = 256
+# How far back a context is followed: past it, a longer agreement says no more.
+MAX_CONTEXT = 32
 DEFAULT_KEY = "default"
 DEFAULT_MAX_TOKENS = 1_000_000
 
@@ -122,17 +130,36 @@ class OnlineCorpus:
             self._index.clear()
             self._tokens = 0
 
-    def continuation(self, text: list[int], min_ngram: int, max_ngram: int, max_tokens: int, min_prob: float) -> list[int]:
-        """What most often followed the longest suffix n-gram of `text` (from `max_ngram`, at
-        most `INDEXED_NGRAM`, down to `min_ngram` tokens), for as long as the share of its
-        occurrences that agree with the whole path stays at `min_prob` or above; empty if the
-        n-gram never occurred or its likeliest next token falls short already."""
+    def continuation(
+        self, text: list[int], min_ngram: int, max_ngram: int, max_tokens: int, min_prob: float, longer_than: int = 0
+    ) -> list[int]:
+        """What most often followed the longest suffix of `text` found in the corpus (looked up
+        by its last `max_ngram` tokens, at most `INDEXED_NGRAM`, down to `min_ngram`, then
+        followed back), for as long as the share of its occurrences that agree with the whole
+        path stays at `min_prob` or above, and no longer than that suffix; empty if no suffix
+        occurred, if the longest is not longer than `longer_than` tokens, or if its likeliest
+        next token falls short already."""
+        text = text[-MAX_CONTEXT:]
         with self._lock:
             for n in range(min(max_ngram, INDEXED_NGRAM, len(text)), min_ngram - 1, -1):
                 occurrences = self._index.get(tuple(text[-n:]))
                 if occurrences:
-                    return self._likeliest_path(list(occurrences)[-COUNTED_OCCURRENCES:], max_tokens, min_prob)
+                    candidates, context = self._deepest(list(occurrences)[-COUNTED_OCCURRENCES:], text, n)
+                    if context <= longer_than:
+                        return []
+                    return self._likeliest_path(candidates, min(max_tokens, context), min_prob)
         return []
+
+    def _deepest(self, candidates: list[tuple[int, int]], text: list[int], n: int) -> tuple[list[tuple[int, int]], int]:
+        """The occurrences whose agreement with the end of `text` reaches furthest back, and how far."""
+        reaches = []
+        for number, start in candidates:
+            words, reach = self._texts[number], n
+            while reach < min(start, len(text)) and words[start - reach - 1] == text[-reach - 1]:
+                reach += 1
+            reaches.append(reach)
+        deepest = max(reaches)
+        return [c for c, reach in zip(candidates, reaches) if reach == deepest], deepest
 
     def _likeliest_path(self, candidates: list[tuple[int, int]], max_tokens: int, min_prob: float) -> list[int]:
         total = len(candidates)

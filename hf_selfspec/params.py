@@ -69,6 +69,11 @@ class SelfSpecParams:
     online_corpus_min_prob: float = 0.3
     # The longest one online proposal may be.
     online_corpus_max_tokens: int = 16
+    # The shortest context (the text's suffix found in the online corpus, followed back) it proposes
+    # from: requests that share a format share its short phrases everywhere, and a few tokens of
+    # agreement say little of what the model writes next, while a rejected proposal still costs
+    # its verification.
+    online_corpus_min_context: int = 7
 
     @property
     def max_proposal_tokens(self) -> int:
@@ -110,6 +115,7 @@ _COUNT_KEYS = {
     "draft_alternatives": 0,
     "backoff_probe_interval": 0,
     "online_corpus_max_tokens": 1,
+    "online_corpus_min_context": 1,
 }
 
 

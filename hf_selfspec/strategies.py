@@ -121,7 +121,7 @@ class Strategy:
         if online_corpus is not None:
             online = OnlineLookup(
                 online_corpus, *ngrams, params.online_corpus_max_tokens, params.online_corpus_min_prob,
-                self.build_unmatched_backoff(params),
+                params.online_corpus_min_context, self.build_unmatched_backoff(params),
             )
         return PromptLookup(
             TextLookup(*ngrams, self.build_lookup_length(params)),

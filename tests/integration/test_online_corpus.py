@@ -17,7 +17,7 @@ from helpers.tiny_models import ARCHITECTURES, tiny_model
 
 # Always propose, never back off, so that every step exercises the online corpus where it matches.
 LOOKUP = dict(prompt_lookup_tokens=2, prompt_lookup_min_ngram=1, backoff_probe_interval=0, max_draft_tokens=3,
-              online_corpus_min_prob=0.0)
+              online_corpus_min_prob=0.0, online_corpus_min_context=1)
 NEW_TOKENS = 24
 
 
