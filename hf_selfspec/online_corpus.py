@@ -22,7 +22,9 @@ proposes: the verifier decides, so decoding stays lossless.
 
 Memory is bounded by `max_tokens`: past it, the oldest texts go first, as a service's oldest
 traffic is the least like its next. Each n-gram's occurrences are kept oldest first, so
-evicting a text removes its occurrences from the fronts of those lists, with no search.
+evicting a text removes its occurrences from the fronts of those lists, with no search; an
+occurrence is one integer (`_occurrence`), as most n-grams of a text occur only a few times and
+a container per n-gram is most of the memory.
 
 One lock guards a corpus: a call's lookup holds it for one proposal, and a text is added
 after the call's output is final, so concurrent calls each see a consistent corpus, and what
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -53,7 +54,17 @@ COUNTED_OCCURRENCES = 256
 # How far back a context is followed: past it, a longer agreement says no more.
 MAX_CONTEXT = 32
 DEFAULT_KEY = "default"
-DEFAULT_MAX_TOKENS = 1_000_000
+DEFAULT_MAX_TOKENS = 250_000
+_POSITION_BITS = 32
+
+
+def _occurrence(number: int, end: int) -> int:
+    """Text `number`'s n-gram whose continuation starts at `end`, as one integer ordered by text."""
+    return number << _POSITION_BITS | end
+
+
+def _text_and_end(occurrence: int) -> tuple[int, int]:
+    return occurrence >> _POSITION_BITS, occurrence & ((1 << _POSITION_BITS) - 1)
 
 
 class OnlineCorpus:
@@ -66,8 +77,8 @@ class OnlineCorpus:
         self._texts: dict[int, list[int]] = {}  # by number, in the order added
         self._next_number = 0
         self._tokens = 0
-        # n-gram -> its occurrences `(text number, where its continuation starts)`, oldest first
-        self._index: dict[tuple[int, ...], deque[tuple[int, int]]] = {}
+        # n-gram -> its occurrences (`_occurrence`), oldest first
+        self._index: dict[tuple[int, ...], list[int]] = {}
         self.bound(max_tokens)
 
     @property
@@ -98,7 +109,7 @@ class OnlineCorpus:
             self._tokens += len(text)
             for n in range(1, INDEXED_NGRAM + 1):
                 for end in range(n, len(text)):  # an n-gram with at least one token after it
-                    self._index.setdefault(tuple(text[end - n : end]), deque()).append((number, end))
+                    self._index.setdefault(tuple(text[end - n : end]), []).append(_occurrence(number, end))
             while self._tokens > self.max_tokens:
                 self._evict_oldest()
 
@@ -110,10 +121,13 @@ class OnlineCorpus:
             for end in range(n, len(text)):
                 key = tuple(text[end - n : end])
                 occurrences = self._index.get(key)
-                while occurrences and occurrences[0][0] <= number:
-                    occurrences.popleft()
-                if occurrences is not None and not occurrences:
+                if occurrences is None:
+                    continue  # an n-gram the text held twice, gone with its first
+                newer = next((i for i, o in enumerate(occurrences) if o >> _POSITION_BITS > number), len(occurrences))
+                if newer == len(occurrences):
                     del self._index[key]
+                else:
+                    del occurrences[:newer]
 
     def bound(self, max_tokens: int) -> None:
         """Hold at most `max_tokens` tokens from now on, evicting the oldest texts down to it."""
@@ -144,7 +158,8 @@ class OnlineCorpus:
             for n in range(min(max_ngram, INDEXED_NGRAM, len(text)), min_ngram - 1, -1):
                 occurrences = self._index.get(tuple(text[-n:]))
                 if occurrences:
-                    candidates, context = self._deepest(list(occurrences)[-COUNTED_OCCURRENCES:], text, n)
+                    newest = map(_text_and_end, occurrences[-COUNTED_OCCURRENCES:])
+                    candidates, context = self._deepest(list(newest), text, n)
                     if context <= longer_than:
                         return []
                     return self._likeliest_path(candidates, min(max_tokens, context), min_prob)

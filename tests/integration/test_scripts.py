@@ -128,4 +128,4 @@ def test_online_corpus_server_checks_every_output_with_the_corpus_against_the_on
                       "--threads", "2", "--requests", "8", "--new-tokens", "6")
     assert "torch.float32, 8 requests x up to 6 new tokens, 2 threads" in out
     assert re.search(r"^\| on \| [\d.]+ \| [\d.]+x \|$", out, re.MULTILINE)
-    assert re.search(r"corpus at the end: 8 texts, \d+ tokens \(bound 1000000\)", out)
+    assert re.search(r"corpus at the end: 8 texts, \d+ tokens \(bound 250000\)", out)
