@@ -11,6 +11,7 @@ warn_if_transformers_untested()
 
 from .embedded import load_embedded
 from .mixin import SelfSpecGenerateOutput, SelfSpecMixin, enable
+from .online_corpus import OnlineCorpus, online_corpus, online_corpus_keys
 from .params import SelfSpecParams, default_skip_layers
 from .policies import AdaptiveExitPolicy, Backoff, ExitPolicy, Gate, TargetConfidenceGate, ThroughputBackoff
 from .stats import StrategyStats
@@ -22,6 +23,7 @@ __all__ = [
     "Backoff",
     "ExitPolicy",
     "Gate",
+    "OnlineCorpus",
     "SelfSpecGenerateOutput",
     "SelfSpecMixin",
     "SelfSpecParams",
@@ -33,5 +35,7 @@ __all__ = [
     "default_skip_layers",
     "enable",
     "load_embedded",
+    "online_corpus",
+    "online_corpus_keys",
     "register_strategy",
 ]

@@ -15,10 +15,12 @@ import torch
 from .selection import TokenSelector
 
 # Who proposed a draft: the model (a skip set, an adapter, an assistant, a strategy's own
-# drafter), or prompt lookup from the text itself or from a lookup corpus.
+# drafter), or prompt lookup from the text itself, from a lookup corpus or from the online corpus
+# of the model's earlier calls.
 MODEL_SOURCE = "model"
 TEXT_SOURCE = "text"
 CORPUS_SOURCE = "corpus"
+ONLINE_SOURCE = "online"
 
 
 @dataclass

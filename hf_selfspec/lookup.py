@@ -1,8 +1,10 @@
-"""Prompt lookup: proposals copied from the text itself or from a lookup corpus, at no forward pass.
+"""Prompt lookup: proposals copied from the text itself, from a lookup corpus or from the online
+corpus of the model's earlier calls, at no forward pass.
 
 Code and edits repeat their own context (names, signatures, docstrings), so a matching n-gram
 often predicts several tokens at no model cost; where nothing matches, the model's draft still
-proposes. A strategy composes the sources (`TextLookup`, `CorpusLookup`) into a `PromptLookup`,
+proposes. A strategy composes the sources (`TextLookup`, `CorpusLookup`, `OnlineLookup`) into a
+`PromptLookup`,
 which decides at each step where the model may draft which of them, if any, proposes; every
 source and every back-off and length within learns from each verification's outcome.
 """
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoding_types import CORPUS_SOURCE, MODEL_SOURCE, TEXT_SOURCE, DecodingState, Draft, StepOutcome
+from .decoding_types import CORPUS_SOURCE, MODEL_SOURCE, ONLINE_SOURCE, TEXT_SOURCE, DecodingState, Draft, StepOutcome
 from .lookup_corpus import LookupCorpus
+from .online_corpus import MAX_CONTEXT, OnlineCorpus
 from .policies import VERBATIM_REACH, Backoff, DraftSourceChoice, LookupLength
 
 
@@ -66,11 +69,13 @@ class TextLookup:
 
     def __init__(self, min_ngram: int, max_ngram: int, length: LookupLength):
         self.min_ngram, self.max_ngram, self.length = min_ngram, max_ngram, length
+        self.reach = 0  # the reach of the last match looked up (0: none), which the online corpus must beat
 
     def propose(self, state: DecodingState, max_tokens: int, min_reach: int = 1) -> Draft:
         """Nothing where the match reaches fewer than `min_reach` tokens back."""
         text = state.sequence[0, : state.length]
         match = earliest_match(text, self.min_ngram, self.max_ngram, max(self.length.max_proposal_tokens, min_reach))
+        self.reach = 0 if match is None else match.reach
         if match is None or match.reach < min_reach:
             return Draft(source=TEXT_SOURCE)
         tokens = text[match.follow : match.follow + min(max_tokens, self.length.tokens_for(match.reach))]
@@ -104,10 +109,35 @@ class CorpusLookup:
             self.length.learn(outcome)
 
 
+class OnlineLookup:
+    """What followed the text's current context in the model's earlier calls (`OnlineCorpus`),
+    as long as the share of those occurrences agreeing with the proposal stays at `min_prob` or
+    above, up to `max_tokens`, from a context of `min_context` tokens or more. It proposes where
+    it is asked only while its `backoff` lets it (`PromptLookup` says why)."""
+
+    def __init__(self, corpus: OnlineCorpus, min_ngram: int, max_ngram: int, max_tokens: int, min_prob: float,
+                 min_context: int, backoff: Backoff):
+        self.corpus, self.min_ngram, self.max_ngram = corpus, min_ngram, max_ngram
+        self.max_tokens, self.min_prob, self.min_context, self.backoff = max_tokens, min_prob, min_context, backoff
+
+    def propose(self, state: DecodingState, max_tokens: int, longer_than: int) -> Draft:
+        """Nothing where the context found reaches no further back than `longer_than` tokens."""
+        text = state.sequence[0, max(0, state.length - MAX_CONTEXT) : state.length].tolist()
+        tokens = self.corpus.continuation(text, self.min_ngram, self.max_ngram, min(max_tokens, self.max_tokens),
+                                          self.min_prob, max(longer_than, self.min_context - 1))
+        return _written(state, tokens, ONLINE_SOURCE)
+
+
 class PromptLookup:
     """Lookup's sources beside the model's draft: the text first, then the corpus (if any),
     then the model, whose drafts stay within `max_draft_tokens`. Where both lookup and the
     model could propose, `sources` picks which one does.
+
+    The online corpus (if any) goes before the text's own match where its context reaches
+    further back than the text's match does: a short match in the text is often chance (a `": "`
+    of the JSON the prompt shows), while a longer context in the corpus says the text is going
+    the way earlier calls went; where the text's match reaches as far or further (the answer
+    copying this request's own prompt), the text is the better evidence.
 
     Where the text has no match, the corpus and then the model propose only while their
     back-offs (the corpus's own, `model_backoff`) let them: each weighs the steps its source
@@ -128,15 +158,32 @@ class PromptLookup:
         sources: DraftSourceChoice,
         model_backoff: Backoff,
         max_draft_tokens: int,
+        online: OnlineLookup | None = None,
     ):
-        self.text, self.corpus, self.sources = text, corpus, sources
+        self.text, self.corpus, self.sources, self.online = text, corpus, sources, online
         self.model_backoff, self.max_draft_tokens = model_backoff, max_draft_tokens
         # The back-offs that decided the step being verified, each with the source it governs.
         self.asked: list[tuple[Backoff, str]] = []
 
+    def _text_or_online(self, state: DecodingState, max_tokens: int, ask_backoff: bool) -> Draft:
+        """The online corpus's proposal where its context reaches further back than the text's
+        match (and, if `ask_backoff`, its back-off lets it), else the text's; empty if neither
+        proposes."""
+        draft = self.text.propose(state, max_tokens)
+        if self.online is None:
+            return draft
+        online = self.online.propose(state, max_tokens, longer_than=self.text.reach)
+        if not online.tokens:
+            return draft  # nothing was written over the text's proposal
+        if ask_backoff:
+            self.asked.append((self.online.backoff, ONLINE_SOURCE))
+            if not self.online.backoff.should_speculate():
+                return _written(state, draft.tokens, TEXT_SOURCE)
+        return online
+
     def free(self, state: DecodingState, max_tokens: int) -> Draft:
         """What lookup proposes at a step where the model may not draft."""
-        draft = self.text.propose(state, max_tokens)
+        draft = self._text_or_online(state, max_tokens, ask_backoff=False)
         if draft.tokens or self.corpus is None:
             return draft
         return self.corpus.propose(state, max_tokens)
@@ -149,7 +196,7 @@ class PromptLookup:
     def propose(self, state: DecodingState, max_tokens: int, model_draft: Callable[[int], Draft]) -> Draft:
         """What is proposed at a step where the model may draft (`model_draft(max_tokens)`)."""
         self.asked = []
-        draft = self.text.propose(state, max_tokens)
+        draft = self._text_or_online(state, max_tokens, ask_backoff=True)
         if not draft.tokens and self.corpus is not None:
             corpus_draft = self.corpus.propose(state, max_tokens)
             if corpus_draft.tokens:

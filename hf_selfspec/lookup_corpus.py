@@ -154,6 +154,10 @@ def load_lookup_corpus(model: nn.Module, path: str | Path) -> LookupCorpus:
     vocabulary; read and indexed once a process for as long as the file is unchanged."""
     if str(path).startswith(HUB_ADDRESS_PREFIX):
         path = fetch_hub_file_pair(str(path), "lookup corpus")
+    return read_lookup_corpus(path, model.get_output_embeddings().weight.shape[0])
+
+
+def read_lookup_corpus(path: str | Path, vocab_size: int) -> LookupCorpus:
+    """The corpus file at `path`, checked against a vocabulary of `vocab_size` tokens."""
     tokens_path, _ = existing_adapter_files(path, what="lookup corpus")
-    vocab_size = model.get_output_embeddings().weight.shape[0]
     return _read_lookup_corpus(str(tokens_path.resolve()), tokens_path.stat().st_mtime_ns, vocab_size)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -31,6 +31,7 @@ from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollba
 from .decoding import DecodeRequest, speculative_decode
 from .layer_skip import decoder_layers
 from .narrow_linear import stock_kernels, verifying
+from .online_corpus import OnlineCorpus, corpus_for_call, feed
 from .params import PARAM_NAMES, SelfSpecParams, resolve_params
 from .profile_files import anchor_profile_files
 from .profiles import TunedProfile, profile_for_model
@@ -54,6 +55,7 @@ class StrategyPlan:
     params: SelfSpecParams
     assistant_model: nn.Module | None
     from_profile: bool  # a tuned profile chose it: where it cannot run, decode plainly instead
+    online_corpus: OnlineCorpus | None = None  # the call's, a lookup source where the strategy looks up
 
 
 def _call_generation_config(model: nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -209,7 +211,12 @@ def generate_with_strategy(
     `narrow_kernels` (a keyword of the call) chooses the kernel of the forward passes' few-row
     products: True, the fastest on this machine (`narrow_linear`), also for plain decoding and
     transformers' own prompt lookup; False, the stock kernel, also inside our verifications;
-    None (the default), the fastest inside our loop and the stock one elsewhere."""
+    None (the default), the fastest inside our loop and the stock one elsewhere.
+
+    `online_corpus` (a keyword of the call) names the model's online corpus the call reads and
+    adds its prompt and output to (`hf_selfspec.online_corpus`): True for the model's default
+    one, a key for that key's, False or None (the default) for none. Off unless asked: a corpus
+    shared by every call would propose one user's text inside another's request."""
     narrow = _narrow_kernels(kwargs)
     if narrow is not None and kwargs.get("custom_generate") is None:
         with verifying(model) if narrow else stock_kernels():
@@ -220,17 +227,27 @@ def generate_with_strategy(
         if strategy is not None:
             kwargs["strategy"] = strategy
         return plain_generate(*args, **kwargs)
+    online = corpus_for_call(model, kwargs.pop("online_corpus", None))
     explicit = {name: kwargs.pop(name) for name in list(kwargs) if name in PARAM_NAMES}
     plan = _plan_strategy(model, strategy, explicit, args, kwargs, lent_profiles)
     if plan is None:
-        return plain_generate(*args, **kwargs)
+        return _fed(online, plain_generate(*args, **kwargs), kwargs)
+    plan = replace(plan, online_corpus=online)
     kwargs.pop("assistant_model", None)  # ours to draft with; transformers must not see it
     args, kwargs, caller_device = prompt_on_device(model.device, args, kwargs)
     kwargs = _stop_strings_as_criterion(model, args, kwargs)
     # transformers hands a `custom_generate` callable everything it would hand `_sample` but
     # the streamer, to which it has already given the prompt: the loop gets it here.
     loop = functools.partial(_speculative_sample, plan=plan, streamer=kwargs.get("streamer"))
-    return output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device)
+    return _fed(online, output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device), kwargs)
+
+
+def _fed(corpus: OnlineCorpus | None, output, kwargs: dict[str, Any]):
+    """`output`, once its texts are added to `corpus` (if any): only now are they final."""
+    if corpus is not None:
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        feed(corpus, sequences, kwargs.get("attention_mask"))
+    return output
 
 
 def _narrow_kernels(kwargs: dict[str, Any]) -> bool | None:
@@ -321,7 +338,7 @@ def _speculative_sample(
         generation_config.output_scores or generation_config.output_logits
     )
     with rollback_view(filled_cache) as cache:
-        parts = plan.strategy.build(model, plan.params, cache, plan.assistant_model)
+        parts = plan.strategy.build(model, plan.params, cache, plan.assistant_model, online_corpus=plan.online_corpus)
         request = DecodeRequest(
             input_ids,
             TokenSelector(logits_processor, generation_config.do_sample),

@@ -62,12 +62,24 @@ class SelfSpecParams:
     # A lookup corpus's file (see `hf_selfspec.lookup_corpus`): text the model wrote itself, where
     # prompt lookup looks next when the current text has no match. Resolved like `draft_adapter`.
     lookup_corpus: str = ""
+    # The online corpus of the model's earlier calls (a call's `online_corpus`; see
+    # `hf_selfspec.online_corpus`): its proposal goes on while at least this share of the matched
+    # context's occurrences agree with it. Suffix decoding's `min_token_prob` is 0.1 on GPUs, where
+    # a rejected token costs little; on a CPU each one costs a good part of a forward pass.
+    online_corpus_min_prob: float = 0.3
+    # The longest one online proposal may be.
+    online_corpus_max_tokens: int = 16
+    # The shortest context (the text's suffix found in the online corpus, followed back) it proposes
+    # from: requests that share a format share its short phrases everywhere, and a few tokens of
+    # agreement say little of what the model writes next, while a rejected proposal still costs
+    # its verification.
+    online_corpus_min_context: int = 7
 
     @property
     def max_proposal_tokens(self) -> int:
         """The most tokens one step may propose: the model's draft's bound, or an adaptive
         lookup's if that reaches further."""
-        lookup = self.prompt_lookup_max_tokens if self.prompt_lookup_tokens else 0
+        lookup = max(self.prompt_lookup_max_tokens, self.online_corpus_max_tokens) if self.prompt_lookup_tokens else 0
         return max(self.max_draft_tokens, lookup)
 
     def as_dict(self) -> dict[str, Any]:
@@ -86,6 +98,7 @@ _PROBABILITY_KEYS = (
     "acceptance_ema",
     "threshold_ema",
     "target_confidence_threshold",
+    "online_corpus_min_prob",
 )
 # Parameters that name a file beside the profile's generation_config.json; whatever copies,
 # exports or uploads a profile carries these files along.
@@ -101,6 +114,8 @@ _COUNT_KEYS = {
     "draft_vocab_size": 0,
     "draft_alternatives": 0,
     "backoff_probe_interval": 0,
+    "online_corpus_max_tokens": 1,
+    "online_corpus_min_context": 1,
 }
 
 

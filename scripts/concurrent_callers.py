@@ -48,21 +48,31 @@ def _run(model, prompts, callers: int, kwargs: dict, new_tokens: int) -> tuple[f
     return sum(len(tokens) for tokens in outputs) / seconds, outputs
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_parser(description: str) -> argparse.ArgumentParser:
+    """The options that choose the model served, `--model` and `--dtype` (see `load_model`)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=EMBEDDED,
                         help="'embedded' (with the profiles shipped for it), or a model directory or Hub id (with "
                         "the profile in its own generation config)")
     parser.add_argument("--dtype", default="auto", help="auto (the model's, bfloat16 where native), float32, bfloat16")
+    return parser
+
+
+def load_model(args: argparse.Namespace):
+    """The model and tokenizer `--model` and `--dtype` name, with the embedded model's profiles."""
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    if args.model == EMBEDDED:
+        return load_embedded(dtype=dtype)
+    return load_model_and_tokenizer(args.model, dtype=dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = model_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    if args.model == EMBEDDED:
-        model, tokenizer = load_embedded(dtype=dtype)
-    else:
-        model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
+    model, tokenizer = load_model(args)
     prompts = [encode_prompt(tokenizer, text) for text in load_prompts("humaneval", n=args.prompts, offset=20)]
     alone = [
         timed_generate(model, inputs, max_new_tokens=args.new_tokens, do_sample=False, strategy="plain",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hf_selfspec.argtypes import non_negative_int, positive_float, positive_int, probability
 from hf_selfspec.bench.sampling import DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Sampling
-from hf_selfspec.prompts import HELD_OUT_SPLIT, SPLITS, TUNE_SPLIT, WORKLOAD, Prompt, load_prompts
+from hf_selfspec.prompts import HELD_OUT_SPLIT, SPLITS, STREAMS, TUNE_SPLIT, WORKLOAD, Prompt, load_prompts
 
 # The `bench` extra: without matplotlib the top-level CLI turns this command into an install hint.
 if find_spec("matplotlib") is None:
@@ -43,6 +43,13 @@ finished and exits with status 130.
 (conversation, writing, translation, summarisation, QA, math, document QA, code) in a tune
 split, which studies tune on, and a held-out split, which the bench measures by default.
 
+--prompts streams is the request streams shipped with hf-selfspec: tool calls to a fixed set of
+functions, successive edits of one file and questions in one answer format, each a stream of
+requests in the order a service would get them (held-out split by default). Each of our
+contenders with prompt lookup on then runs a second time with an online corpus of its own
+("<name>+online"), emptied at each stream's start and learning from its own calls as the
+stream goes on, and a table by position in the stream (the first 10 requests, the rest) follows.
+
 Our strategy named by a tuned profile (from --config, or the model's own generation_config)
 for this device and dtype runs with that profile's parameters ("tuned" in the table); every
 other strategy runs with the default skip set: both sub-layers of every other layer from the
@@ -64,7 +71,8 @@ reported per contender:
               with the widest gap seen); anything else is NO (red on a terminal), and the
               command exits with status 1 if one of hf-selfspec's strategies is NO; with
               --do-sample there is no single right output: "n/a (sampled)"
-When prompts carry categories, a table per category follows: each contender's median speedup
+When prompts carry categories, a table per category follows (and when they carry positions in a
+stream, one per group of positions): each contender's median speedup
 and ratio to prompt lookup in each category, over all prompts, and the geometric mean of the
 category medians (each category counts once; the tuner optimises the same geometric mean).
 
@@ -79,6 +87,7 @@ files written to --output:
 examples:
   hf-selfspec bench --prompts workload --contenders prompt_lookup,tuned
   hf-selfspec bench --prompts workload --do-sample --temperature 0.7 --top-p 0.9
+  hf-selfspec bench --prompts streams --contenders prompt_lookup,tuned
   hf-selfspec bench --n-prompts 10
   hf-selfspec bench --model ./my-model --config tuned/generation_config.json --prompt-offset 20
   hf-selfspec bench --prompts chat --max-new-tokens 128 --output bench-chat
@@ -118,9 +127,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompts",
         default=DEFAULT_PROMPTS,
-        metavar="humaneval|workload|chat|FILE.jsonl",
+        metavar="humaneval|workload|streams|chat|FILE.jsonl",
         help="'humaneval' (the HumanEval code prompts), 'workload' (the general workload shipped with "
-        "hf-selfspec, eight categories of text, held-out split unless --split says otherwise), 'chat' (20 "
+        "hf-selfspec, eight categories of text, held-out split unless --split says otherwise), 'streams' (the "
+        "request streams shipped with hf-selfspec, in stream order, held-out split unless --split says "
+        "otherwise), 'chat' (20 "
         "open-ended chat prompts shipped with hf-selfspec) or a JSONL file with one object a line holding a "
         "'prompt' string or 'messages' list, and optionally 'id', 'category' and 'split' (default: %(default)s)",
     )
@@ -128,14 +139,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--split",
         choices=SPLITS,
         help=f"use only the prompts of this split: '{TUNE_SPLIT}' is what studies tune on, '{HELD_OUT_SPLIT}' what "
-        f"nothing was tuned on (default: {HELD_OUT_SPLIT} for the workload, every prompt otherwise; a source "
+        f"nothing was tuned on (default: {HELD_OUT_SPLIT} for the workload and the streams, every prompt otherwise; a source "
         "without splits refuses it)",
     )
     parser.add_argument(
         "--n-prompts",
         type=positive_int,
         metavar="N",
-        help=f"number of prompts to use (default: the whole split for the workload, else {DEFAULT_N_PROMPTS}; "
+        help=f"number of prompts to use (default: the whole split for the workload and the streams, else {DEFAULT_N_PROMPTS}; "
         "fewer if the set is smaller)",
     )
     parser.add_argument(
@@ -249,9 +260,10 @@ def prompt_source(name: str) -> str | Path:
 
 def bench_prompts(args: argparse.Namespace) -> list[Prompt]:
     """The prompts `--prompts`, `--split`, `--n-prompts` and `--prompt-offset` select: the workload's
-    held-out split and all of it unless told otherwise, `DEFAULT_N_PROMPTS` of anything else."""
+    and the streams' held-out split and all of it unless told otherwise, `DEFAULT_N_PROMPTS` of
+    anything else."""
     source = prompt_source(args.prompts)
-    workload = args.prompts == WORKLOAD
+    workload = args.prompts in (WORKLOAD, STREAMS)
     if args.split is not None and not any(prompt.split for prompt in load_prompts(source)):
         raise ValueError(
             f"--split {args.split}: {args.prompts} has no prompt marked with a split; use --prompts workload or a "
@@ -357,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     from ..inputs import model_name as model_name_input
     from ..loading import load_model_and_tokenizer
     from .benchmark import run_benchmark
-    from .contenders import build_contenders, compared_profile_contender
+    from .contenders import build_contenders, compared_profile_contender, online_contenders
 
     # Everything that can be checked cheaply is checked before the model loads.
     try:
@@ -403,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
             ),
             args.contenders,
         ) + [compared_profile_contender(model, path) for path in args.compare_config]
+        if any(prompt.stream for prompt in prompts):
+            contenders += online_contenders(contenders)
         names = [contender.name for contender in contenders]
         if len(set(names)) != len(names):
             raise ValueError(f"--compare-config: two contenders would be named {max(names, key=names.count)!r}")

@@ -30,6 +30,8 @@ PROMPT_LOOKUP_TOKENS = 10
 # (`generate(narrow_kernels=True)`): beside it, a ratio tells what the draft earns from what the
 # kernel does. Named `<contender><OUR_KERNELS>`.
 OUR_KERNELS = "+our_kernels"
+# One of our contenders run again with an online corpus of its own (`online_contenders`).
+ONLINE = "+online"
 PLAIN_OUR_KERNELS = f"{PLAIN}{OUR_KERNELS}"
 PROMPT_LOOKUP_OUR_KERNELS = f"{PROMPT_LOOKUP}{OUR_KERNELS}"
 
@@ -243,6 +245,23 @@ def _assisted(model, strategies: Sequence[str], assistant, plain: dict[str, Any]
             )
         )
     return contenders
+
+
+def online_contenders(contenders: Sequence[Contender]) -> list[Contender]:
+    """Each of our contenders that composes prompt lookup, again with an online corpus of its own
+    (keyed by its name, so no contender proposes what another wrote): beside it, a ratio tells what
+    learning across a stream's requests earns. The runner empties the corpus where a stream starts."""
+    return [
+        Contender(
+            f"{contender.name}{ONLINE}",
+            {**contender.generate_kwargs, "online_corpus": f"bench/{contender.name}{ONLINE}"},
+            family=HF_SELFSPEC,
+            params_label=f"{contender.params_label}, online corpus",
+        )
+        for contender in contenders
+        if contender.family == HF_SELFSPEC and contender.generate_kwargs.get("prompt_lookup_tokens")
+        and "custom_generate" not in contender.generate_kwargs
+    ]
 
 
 def params_provenance(model) -> dict[str, Any]:

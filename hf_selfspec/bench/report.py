@@ -36,6 +36,10 @@ RATIOS = {
     "ratio_to_lookup_equal_kernels": PROMPT_LOOKUP_OUR_KERNELS,
 }
 UNCATEGORIZED = "uncategorized"
+# Positions in a stream reported apart: the requests an online corpus meets while it is still
+# nearly empty, and the rest.
+FIRST_POSITIONS = 10
+POSITION_GROUPS = (f"1-{FIRST_POSITIONS}", f"{FIRST_POSITIONS + 1}+")
 # What a speedup divides (see the module docstring), named in `settings.speedup_metric`.
 SECONDS_PER_TOKEN = "seconds_per_token"
 # The consistency verdict of a contender that sampled: no single output is right, so none is judged.
@@ -206,6 +210,32 @@ def category_indices(measurements: Measurements) -> dict[str, list[int]]:
     return groups
 
 
+def position_indices(measurements: Measurements) -> dict[str, list[int]]:
+    """Prompt indices by position in their stream (`POSITION_GROUPS`); empty when no prompt
+    carries a position."""
+    if all(prompt.position is None for prompt in measurements.prompts):
+        return {}
+    groups: dict[str, list[int]] = {}
+    for index, prompt in enumerate(measurements.prompts):
+        if prompt.position is not None:
+            groups.setdefault(POSITION_GROUPS[prompt.position > FIRST_POSITIONS], []).append(index)
+    return {name: groups[name] for name in POSITION_GROUPS if name in groups}
+
+
+def _grouped(measurements: Measurements, groups: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+    """Each group's prompt ids and every contender's figures over them."""
+    return {
+        name: {
+            "prompt_ids": [measurements.prompts[i].id for i in indices],
+            "contenders": {
+                contender.name: summarize(measurements, contender.name, indices)
+                for contender in measurements.contenders
+            },
+        }
+        for name, indices in groups.items()
+    }
+
+
 def _stopped_early(planned: tuple[int, int] | None) -> dict[str, int] | None:
     if planned is None:
         return None
@@ -222,16 +252,8 @@ def results_document(
 ) -> dict[str, Any]:
     """The whole of `results.json`: enough to redraw the table and plots, or audit a claim."""
     everything = range(len(measurements.prompts))
-    categories = {
-        category: {
-            "prompt_ids": [measurements.prompts[i].id for i in indices],
-            "contenders": {
-                contender.name: summarize(measurements, contender.name, indices)
-                for contender in measurements.contenders
-            },
-        }
-        for category, indices in category_indices(measurements).items()
-    }
+    categories = _grouped(measurements, category_indices(measurements))
+    positions = position_indices(measurements)
     sampling = measurements.sampling
     return {
         "format": FORMAT,
@@ -267,4 +289,6 @@ def results_document(
             for contender in measurements.contenders
         ],
         "categories": categories,
+        # only for prompts in streams, so that other runs' documents stay as they were
+        **({"positions": _grouped(measurements, positions)} if positions else {}),
     }

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..measure import TimedRun, timed_generate
 from ..narrow_linear import choose_layouts
+from ..online_corpus import online_corpus
 from ..prompts import Prompt, encode_prompt
 from .contenders import BASELINE, PLAIN, Contender
 from .sampling import Sampling
@@ -71,6 +72,15 @@ def _timed_call(model, contender: Contender, inputs, common: dict, sampling: Sam
     return timed_generate(model, inputs, **common, **contender.generate_kwargs)
 
 
+def _empty_online_corpora(model, contenders: Sequence[Contender]) -> None:
+    """Every contender's online corpus emptied: each stream, in each repeat, starts from nothing,
+    as a service started afresh would, and the warm-up's call is forgotten."""
+    for contender in contenders:
+        key = contender.generate_kwargs.get("online_corpus")
+        if isinstance(key, str):
+            online_corpus(model, key).clear()
+
+
 def measure(
     model,
     tokenizer,
@@ -89,7 +99,8 @@ def measure(
     (our strategies' verifications, and a contender run with `narrow_kernels`) choose one per
     band of widths the first time they meet it, which one warm-up prompt does not reach: those
     choices are all made first (`choose_layouts`). In the first repeat each prompt is first
-    decoded plainly, untimed, for reference.
+    decoded plainly, untimed, for reference. A contender with an online corpus starts each stream
+    (prompts of one `stream` in a row) with it empty, and the corpus learns as the stream goes on.
 
     Interrupted (KeyboardInterrupt) after at least one prompt, with `keep_when_interrupted`, it
     returns what was finished, with `planned` set; otherwise it re-raises, as a caller that acts
@@ -118,6 +129,8 @@ def measure(
                 bar.update()
             for repeat in range(repeats):
                 for index, inputs in enumerate(encoded):
+                    if index == 0 or prompts[index].stream != prompts[index - 1].stream:
+                        _empty_online_corpora(model, contenders)
                     if repeat == 0 and sampling is None:
                         bar.set_postfix_str(f"reference {index + 1}/{len(encoded)}")
                         references.append(

@@ -92,10 +92,13 @@ def _main_rows(results: dict[str, Any]) -> list[list[Cell]]:
     return rows
 
 
-def _category_grid(results: dict[str, Any], figure: str, geomean: str, skip: set[str], color: bool) -> list[str]:
-    """One row per contender not in `skip`: its median `figure` in each category, over every
-    prompt ("all", pooled) and the geometric mean of its category medians."""
-    categories = results["categories"]
+def _category_grid(
+    results: dict[str, Any], figure: str, geomean: str | None, skip: set[str], color: bool, grouping: str = "categories"
+) -> list[str]:
+    """One row per contender not in `skip`: its median `figure` in each group of `grouping`
+    (prompt categories, or positions in a stream), over every prompt ("all", pooled) and, given
+    `geomean`, the geometric mean of its category medians."""
+    categories = results[grouping]
     rows = []
     for contender in results["contenders"]:
         if contender["name"] in skip:
@@ -107,10 +110,12 @@ def _category_grid(results: dict[str, Any], figure: str, geomean: str, skip: set
             consistency = _consistency_cell(summary["consistency"])
             flagged = verdict in (NEAR_TIE, DIVERGENT)  # a speedup never hides what the output became
             row.append(Cell(_ratio(summary[figure]) + (f" {consistency.text}" if flagged else ""), consistency.alarm))
-        row += [Cell(_ratio(contender[figure])), Cell(_number(contender[geomean], "{:.2f}x"))]
+        row.append(Cell(_ratio(contender[figure])))
+        if geomean is not None:
+            row.append(Cell(_number(contender[geomean], "{:.2f}x")))
         rows.append(row)
     headers = ["contender", *(f"{name} ({len(category['prompt_ids'])})" for name, category in categories.items())]
-    return _grid([*headers, "all", "geomean"], rows, color, left_columns=1)
+    return _grid([*headers, "all", *(["geomean"] if geomean is not None else [])], rows, color, left_columns=1)
 
 
 def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
@@ -140,6 +145,26 @@ def _category_lines(results: dict[str, Any], color: bool) -> list[str]:
             "",
             f"{header}: median ratio to {what} ({reference}), paired per repeat like the speedup, by prompt category",
             *_category_grid(results, figure, f"category_geomean_{figure}", transformers_own, color),
+        ]
+    return lines
+
+
+def _position_lines(results: dict[str, Any], color: bool) -> list[str]:
+    """Median speedup, and ratio to transformers' prompt lookup, by position in the stream: an
+    online corpus is empty at a stream's start and pays only once it has learned."""
+    if not results.get("positions"):
+        return []
+    lines = [
+        "",
+        "median speedup over plain by position in the stream (number of prompts); all: every prompt pooled",
+        *_category_grid(results, "speedup", None, {results["baseline"]}, color, "positions"),
+    ]
+    if results["lookup"]:
+        lines += [
+            "",
+            f"x lookup: median ratio to transformers' prompt lookup ({results['lookup']}) by position in the stream",
+            *_category_grid(results, "ratio_to_lookup", None, {results["baseline"], results["lookup"]}, color,
+                            "positions"),
         ]
     return lines
 
@@ -223,5 +248,6 @@ def render(results: dict[str, Any], color: bool = False) -> str:
         )
     lines = [title, "", *_grid(headers, _main_rows(results), color, left_columns=2)]
     lines += _category_lines(results, color)
+    lines += _position_lines(results, color)
     lines += _notes(results, color)
     return "\n".join(lines)

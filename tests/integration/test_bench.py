@@ -894,3 +894,69 @@ def test_per_category_report_of_plain_and_lookup_alone_has_no_ratio_to_lookup_se
     table = render(results)
     assert "by prompt category" in table
     assert "x lookup: median ratio" not in table
+
+
+def test_the_streams_are_held_out_whole_unless_told_each_in_order_from_position_one():
+    from hf_selfspec.bench.cli import bench_prompts
+    from hf_selfspec.prompts import STREAMS
+
+    held_out = bench_prompts(_bench_args("--prompts", "streams"))
+    assert held_out == load_prompts(STREAMS, split=HELD_OUT_SPLIT)
+    tune = load_prompts(STREAMS, split=TUNE_SPLIT)
+    for prompts in (held_out, tune):
+        streams: dict[str, list[int]] = {}
+        for prompt in prompts:
+            streams.setdefault(prompt.stream, []).append(prompt.position)
+        # each stream comes whole and in order, once, and goes on past the first ten requests
+        assert [p.stream for p in prompts] == [s for s, positions in streams.items() for _ in positions]
+        assert all(positions == list(range(1, len(positions) + 1)) and len(positions) > 10 for positions in streams.values())
+    assert {p.category for p in held_out} == {p.category for p in tune} == {"tool_calls", "code_edits", "answer_format"}
+    assert not {p.stream for p in held_out} & {p.stream for p in tune}
+
+
+def test_a_stream_runs_with_a_fresh_online_corpus_and_is_reported_by_position(tiny_llama_dir, tmp_path, capsys):
+    from hf_selfspec.bench.report import POSITION_GROUPS
+
+    path = tmp_path / "streams.jsonl"
+    rows = [{"id": f"{s}/{i}", "prompt": f"{s} request {i % 3}:", "category": s, "stream": s, "position": i}
+            for s in ("a", "b") for i in range(1, 13)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    config = tmp_path / "generation_config.json"
+    profile = {"strategy": "self_speculative", "params": {"attn_skip_layers": [1], "prompt_lookup_tokens": 3}}
+    config.write_text(json.dumps({PROFILE_KEY: {"cpu/float32": profile}}))
+    output = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(path), "--output", str(output), "--config",
+            str(config), "--contenders", "prompt_lookup,tuned", "--n-prompts", "24", "--max-new-tokens", "6",
+            "--repeats", "1", "--device", "cpu"]
+    assert main(argv) == 0
+    results = json.loads((output / "results.json").read_text())
+    online = next(c for c in results["contenders"] if c["name"] == "self_speculative+online")
+    assert online["generate_kwargs"]["online_corpus"] == "bench/self_speculative+online"
+    assert online["consistency"]["verdict"] == "identical"
+    assert list(results["positions"]) == list(POSITION_GROUPS)
+    assert results["positions"]["1-10"]["prompt_ids"] == [f"{s}/{i}" for s in "ab" for i in range(1, 11)]
+    assert "self_speculative+online" in results["positions"]["11+"]["contenders"]
+    assert "by position in the stream" in capsys.readouterr().out
+
+
+def test_each_stream_starts_its_contenders_online_corpus_empty(tiny_model, monkeypatch):
+    from hf_selfspec.bench.contenders import online_contenders
+
+    model, tokenizer = tiny_model
+    prompts = [Prompt(id=f"{s}/{i}", text=f"{s} {i}", stream=s, position=i) for s in ("a", "b") for i in (1, 2, 3)]
+    tuned = Contender("self_speculative", {"strategy": "self_speculative", "attn_skip_layers": [1],
+                                           "prompt_lookup_tokens": 3, "do_sample": False}, "hf_selfspec", "tuned")
+    contenders = [Contender(BASELINE, {"strategy": PLAIN, "do_sample": False}, "baseline", PLAIN), tuned]
+    contenders += online_contenders(contenders)
+    corpus = hf_selfspec.online_corpus(model, contenders[-1].generate_kwargs["online_corpus"])
+    seen = []
+    original = corpus.continuation
+
+    def counting(text, *args):
+        seen.append(corpus.texts)
+        return original(text, *args)
+
+    monkeypatch.setattr(corpus, "continuation", counting)
+    measure(model, tokenizer, prompts, contenders, max_new_tokens=4, repeats=2, progress=False)
+    # Each stream's first request finds the corpus empty; the third has learned from two.
+    assert 0 in seen and max(seen) == 2 and corpus.texts == 3

@@ -112,3 +112,20 @@ def test_measure_kangaroo_reports_agreement_per_workload_category(tiny_llama_dir
     categories = {prompt.category for prompt in load_prompts("workload", split="held_out")}
     assert sorted(category for category, _ in rows) == sorted(categories)
     assert all(cells.startswith(">=0.0: share 1.00 agree ") for _, cells in rows)
+
+
+def test_online_corpus_server_checks_every_output_with_the_corpus_against_the_one_without(tiny_llama_dir, tmp_path):
+    """With a profile that looks up, so the calls with the corpus read it from threads that feed it."""
+    model_dir = tmp_path / "tiny-with-lookup"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config_file = model_dir / "generation_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config[PROFILE_KEY] = {"cpu/float32": {"strategy": "self_speculative", "params": {
+        "attn_skip_layers": [1, 2], "prompt_lookup_tokens": 3, "backoff_probe_interval": 0,
+    }}}
+    config_file.write_text(json.dumps(config), encoding="utf-8")
+    out = _run_script("online_corpus_server.py", "--model", str(model_dir), "--dtype", "float32",
+                      "--threads", "2", "--requests", "8", "--new-tokens", "6")
+    assert "torch.float32, 8 requests x up to 6 new tokens, 2 threads" in out
+    assert re.search(r"^\| on \| [\d.]+ \| [\d.]+x \|$", out, re.MULTILINE)
+    assert re.search(r"corpus at the end: 8 texts, \d+ tokens \(bound 250000\)", out)

@@ -172,3 +172,20 @@ def test_a_chat_continued_from_its_cache_stays_lossless(smollm2, case):
         text = output.sequences
         reply = tokenizer.decode(text[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": reply})
+
+
+def test_the_online_corpus_keeps_decoding_lossless(smollm2):
+    """With what earlier calls wrote (each prompt's own plain answer among them) in the online
+    corpus, the profile that looks up most stays lossless, the corpus's proposals verified like
+    any other."""
+    model, cases = smollm2
+    key = f"real-model-{model.dtype}"
+    corpus = hf_selfspec.online_corpus(model, key)
+    corpus.clear()
+    for _, _, plain in cases:
+        corpus.add(plain.sequences[0].tolist())
+    for prompt_id, inputs, plain in cases:
+        output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                                online_corpus=key, **case_kwargs(model, "amx_default_profile"))
+        assert_consistent(output, plain, inputs, model.dtype, prompt_id)
+    assert corpus.texts == 2 * len(cases)
