@@ -365,7 +365,11 @@ _enabled_classes: dict[type, type] = {}
 
 def enable(model: nn.Module) -> nn.Module:
     """Let an already loaded model accept `strategy=`: the same object, its class swapped for a
-    cached subclass with `SelfSpecMixin` in front, so weights and hooks stay where they are."""
+    cached subclass with `SelfSpecMixin` in front, so weights and hooks stay where they are.
+
+    The first speculative call (or `narrow_kernels=True`) also gives the model's linear layers a
+    forward that takes the verifier's kernel inside a verification and the stock one elsewhere;
+    it stays for later calls, and `hf_selfspec.narrow_linear.uninstall(model)` takes it off."""
     if isinstance(model, SelfSpecMixin):
         return model
     if not isinstance(model, GenerationMixin):
