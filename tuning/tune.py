@@ -253,6 +253,7 @@ def _study_context(config: StudyConfig, model, device_key: str, num_layers: int,
         draft_adapter_digests={name: adapter_digest(path) for name, path in config.search.draft_adapters.items()},
         lookup_corpus=config.search.lookup_corpus,
         lookup_corpus_digest=adapter_digest(config.search.lookup_corpus) if config.search.lookup_corpus else "",
+        online_corpus_choices=list(config.search.online_corpus),
         prompt_split=config.prompts.split or "",
         prompts_per_category=config.prompts.per_category or 0,
         category_floor=config.study.category_floor or 0.0,
@@ -301,7 +302,8 @@ def _estimating(model, prepared, config: StudyConfig, num_layers: int, generate_
     forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
     max_draft = int(config.search.range_of("max_draft_tokens")[1])
     max_alternatives = int(config.search.range_of("draft_alternatives")[1])
-    longest_lookup = int(config.search.range_of("prompt_lookup_max_tokens")[1])
+    lookups = ("prompt_lookup_max_tokens", *(("online_corpus_max_tokens",) if True in config.search.online_corpus else ()))
+    longest_lookup = int(max(config.search.range_of(name)[1] for name in lookups))
     widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
     objective, cost_watch = estimated_objective(
         model, forced, config.search, num_layers, widest, generate_kwargs, worker, config.study.category_floor
