@@ -1,18 +1,25 @@
 """Studies that may switch the online corpus on: the config checks the switch and its knobs, the
 sampler searches the knobs only where the corpus is on, each trial starts from an empty corpus of
-its own."""
+its own, and export ships what a trial's corpus learned so the exported folder starts from it."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 from optuna.trial import FixedTrial, TrialState
 from helpers.tiny_models import tiny_model
 from helpers.tuning import write_study_config
 
 import hf_selfspec
+from hf_selfspec.files import adapter_files
+from hf_selfspec.hub.package import bundled_profiles_for_repository, package
+from hf_selfspec.loading import load_model_and_tokenizer
+from hf_selfspec.profiles import PROFILE_KEY
 from hf_selfspec.tuning.studies.config import SearchConfig, StudyConfigError, load_study_config
+from hf_selfspec.tuning.studies.export import export_profile
 from hf_selfspec.tuning.studies.objective import fresh_corpus_key
 from hf_selfspec.tuning.studies.space import ONLINE_CORPUS_PARAM, suggest_params, warm_start_trials
 from hf_selfspec.tuning.studies.study_toml import study_toml
@@ -56,6 +63,7 @@ def test_trials_switch_the_corpus_and_read_its_knobs_only_where_it_is_on(tuned):
     assert tuned.outcome.study.study_name.endswith(":online?")
     attrs = tuned.outcome.study.user_attrs
     assert attrs["online_corpus_choices"] == [False, True]
+    assert attrs["online_corpus_file"].startswith(str(tuned.directory / "cache" / "online-corpora"))
 
 
 def test_a_saved_study_config_keeps_the_switch(tuned, tmp_path):
@@ -98,3 +106,30 @@ def test_a_bad_switch_names_the_key(tiny_llama_dir, tmp_path, switch, lookup, wo
     path = _config(tmp_path, tiny_llama_dir, switch, lookup)
     with pytest.raises(StudyConfigError, match=f"^{path}: {words}"):
         load_study_config(path)
+
+
+def test_export_ships_what_the_corpus_learned_and_the_folder_starts_from_it(tuned, tiny_llama_dir, tmp_path):
+    study = tuned.outcome.study
+    number = next(t.number for t in study.get_trials() if t.params.get(ONLINE_CORPUS_PARAM))
+    result = export_profile(tuned.storage, study.study_name, tmp_path / "exported", trial_number=number)
+    name = result.profile.params["online_corpus_file"]
+    assert name.endswith(".safetensors") and "online" in name
+    learned = adapter_files(study.user_attrs["online_corpus_file"])
+    for source in learned:
+        assert (tmp_path / "exported" / source.name).read_bytes() == source.read_bytes()
+    texts = json.loads(learned[1].read_text())["texts"]
+    assert texts == study.user_attrs["n_prompts"]
+
+    model, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir),
+                                                generation_config=tmp_path / "exported" / "generation_config.json")
+    inputs = tokenizer("def add(a, b):", return_tensors="pt")
+    plain = model.generate(**inputs, max_new_tokens=8, do_sample=False, strategy="plain")
+    assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False), plain)
+    assert hf_selfspec.online_corpus_keys(model) == [], "off unless asked, whatever the profile ships"
+    assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False, online_corpus=True), plain)
+    assert hf_selfspec.online_corpus(model).texts == texts + 1
+
+    packaged = package(tmp_path / "exported" / "generation_config.json", tmp_path / "package")
+    assert name in packaged.profile_files
+    bundled = bundled_profiles_for_repository(tmp_path / "package", "someone/tiny")
+    assert f"'online_corpus_file': 'hf://someone/tiny@main/{name}'" in bundled

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -24,6 +25,7 @@ import torch
 from hf_selfspec.tuner_api import (
     NEAR_TIE,
     PLAIN,
+    OnlineCorpus,
     Consistency,
     Prompt,
     StrategyStats,
@@ -76,6 +78,16 @@ def prepare_prompts(
         tokens += len(run.new_tokens)
         seconds += run.seconds
     return prepared, tokens / seconds if seconds > 0 else 0.0
+
+
+def save_learned_corpus(model, prompts: Sequence[PreparedPrompt], path: Path) -> Path:
+    """Save what a trial's online corpus holds once it has decoded every prompt: each prompt and
+    plain greedy's text after it (the trial's own, as it decodes losslessly), in order, bounded
+    as the trial's was. `export` ships it beside a profile whose trial learned with it."""
+    corpus = OnlineCorpus(model.get_output_embeddings().weight.shape[0])
+    for prompt in prompts:
+        corpus.add(prompt.inputs["input_ids"][0].tolist() + prompt.reference_tokens)
+    return corpus.save(path, f"what an online corpus learned from {len(prompts)} study prompts")
 
 
 def fresh_corpus_key(model, values: dict[str, Any], candidate: int = 0, round_: int = 0) -> str | None:

@@ -202,8 +202,12 @@ class StudyContext:
     # The lookup corpus every trial looked up in (where this worker keeps it) and its digest.
     lookup_corpus: str = ""
     lookup_corpus_digest: str = ""
-    # The switch's choices (`SearchConfig.online_corpus`).
+    # The switch's choices (`SearchConfig.online_corpus`), and what a trial's online corpus
+    # holds once it has decoded every prompt (where this worker keeps it, and its digest), for
+    # `export` to ship beside a profile whose trial learned with it.
     online_corpus_choices: list[bool] = field(default_factory=lambda: [False])
+    online_corpus_file: str = ""
+    online_corpus_digest: str = ""
     # The split the prompts came from ("" for all) and how many of each category were taken (0: a slice).
     prompt_split: str = ""
     prompts_per_category: int = 0
