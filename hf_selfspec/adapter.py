@@ -28,7 +28,7 @@ from .files import adapter_files, existing_adapter_files, save_tensor_file_pair
 from .inputs import InputError, existing_file, read_text_file
 from .layer_skip import decoder_layers
 from .masks import additive_mask
-from .profile_files import HUB_ADDRESS_PREFIX, fetch_hub_file_pair
+from .profile_files import local_file
 
 ADAPTER_FORMAT = "hf-selfspec-draft-adapter/1"
 
@@ -223,9 +223,7 @@ _loading = threading.Lock()
 
 
 def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
-    if str(path).startswith(HUB_ADDRESS_PREFIX):
-        path = fetch_hub_file_pair(str(path), "draft adapter")
-    weights_path, _ = adapter_files(path)
+    weights_path, _ = adapter_files(local_file(path, "draft adapter"))
     stamp = (str(weights_path.resolve()), weights_path.stat().st_mtime_ns if weights_path.is_file() else None,
              model.dtype, model.device)
     with _loading:

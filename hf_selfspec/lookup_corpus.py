@@ -27,7 +27,7 @@ from torch import nn
 
 from .files import adapter_files, existing_adapter_files, save_tensor_file_pair
 from .inputs import read_text_file
-from .profile_files import HUB_ADDRESS_PREFIX, fetch_hub_file_pair
+from .profile_files import local_file
 
 CORPUS_FORMAT = "hf-selfspec-lookup-corpus/1"
 SEPARATOR = -1
@@ -152,9 +152,7 @@ def _read_lookup_corpus(tokens_path: str, modified_ns: int, vocab_size: int) -> 
 def load_lookup_corpus(model: nn.Module, path: str | Path) -> LookupCorpus:
     """The corpus at `path` (a Hub address is fetched first), checked against the model's
     vocabulary; read and indexed once a process for as long as the file is unchanged."""
-    if str(path).startswith(HUB_ADDRESS_PREFIX):
-        path = fetch_hub_file_pair(str(path), "lookup corpus")
-    return read_lookup_corpus(path, model.get_output_embeddings().weight.shape[0])
+    return read_lookup_corpus(local_file(path, "lookup corpus"), model.get_output_embeddings().weight.shape[0])
 
 
 def read_lookup_corpus(path: str | Path, vocab_size: int) -> LookupCorpus:

@@ -213,10 +213,12 @@ def generate_with_strategy(
     transformers' own prompt lookup; False, the stock kernel, also inside our verifications;
     None (the default), the fastest inside our loop and the stock one elsewhere.
 
-    `online_corpus` (a keyword of the call) names the model's online corpus the call reads and
-    adds its prompt and output to (`hf_selfspec.online_corpus`): True for the model's default
-    one, a key for that key's, False or None (the default) for none. Off unless asked: a corpus
-    shared by every call would propose one user's text inside another's request."""
+    `online_corpus` (a keyword of the call, else the generation config's `online_corpus`) names
+    the model's online corpus the call reads and adds its prompt and output to
+    (`hf_selfspec.online_corpus`): True for the model's default one, a key for that key's, False
+    or None (the default) for none. Off unless asked: a corpus shared by every call would
+    propose one user's text inside another's request. A profile's `online_corpus_file` is what
+    that corpus starts from."""
     narrow = _narrow_kernels(kwargs)
     if narrow is not None and kwargs.get("custom_generate") is None:
         with verifying(model) if narrow else stock_kernels():
@@ -227,11 +229,14 @@ def generate_with_strategy(
         if strategy is not None:
             kwargs["strategy"] = strategy
         return plain_generate(*args, **kwargs)
-    online = corpus_for_call(model, kwargs.pop("online_corpus", None))
+    config_choice = getattr(_call_generation_config(model, args, kwargs), "online_corpus", None)
+    online = corpus_for_call(model, kwargs.pop("online_corpus", config_choice))
     explicit = {name: kwargs.pop(name) for name in list(kwargs) if name in PARAM_NAMES}
     plan = _plan_strategy(model, strategy, explicit, args, kwargs, lent_profiles)
     if plan is None:
         return _fed(online, plain_generate(*args, **kwargs), kwargs)
+    if online is not None and plan.params.online_corpus_file:
+        online.start_from(plan.params.online_corpus_file)
     plan = replace(plan, online_corpus=online)
     kwargs.pop("assistant_model", None)  # ours to draft with; transformers must not see it
     args, kwargs, caller_device = prompt_on_device(model.device, args, kwargs)

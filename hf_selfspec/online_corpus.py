@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .lookup_corpus import SEPARATOR, read_lookup_corpus, save_lookup_corpus
+from .profile_files import local_file
 
 # The n-gram lengths indexed: a call's lookup tries its longest suffix n-gram first, up to this.
 INDEXED_NGRAM = 4
@@ -79,6 +80,9 @@ class OnlineCorpus:
         self._tokens = 0
         # n-gram -> its occurrences (`_occurrence`), oldest first
         self._index: dict[tuple[int, ...], list[int]] = {}
+        # The saved corpora started from since this one was made or last cleared (`start_from`).
+        self._starts_lock = threading.Lock()
+        self._started_from: set[str] = set()
         self.bound(max_tokens)
 
     @property
@@ -139,10 +143,13 @@ class OnlineCorpus:
                 self._evict_oldest()
 
     def clear(self) -> None:
-        with self._lock:
+        """Forget every text, and which saved corpora it started from: a call under a profile
+        that ships one starts from it again."""
+        with self._starts_lock, self._lock:
             self._texts.clear()
             self._index.clear()
             self._tokens = 0
+            self._started_from.clear()
 
     def continuation(
         self, text: list[int], min_ngram: int, max_ngram: int, max_tokens: int, min_prob: float, longer_than: int = 0
@@ -211,6 +218,17 @@ class OnlineCorpus:
         for end in ends:
             self.add(tokens[start:end].tolist())
             start = end + 1
+
+    def start_from(self, path: str | Path) -> None:
+        """`load` the saved corpus at `path` (a Hub address is fetched first) unless this corpus
+        started from it already: a profile ships what its tuning learned, and every call under
+        it names that file, which must be read once, not once a call. Concurrent callers wait
+        for the one that reads it, so none decodes from half of it twice."""
+        with self._starts_lock:
+            if str(path) in self._started_from:
+                return
+            self.load(local_file(path, "online corpus"))
+            self._started_from.add(str(path))
 
 
 _registry_lock = threading.Lock()

@@ -74,6 +74,10 @@ class SelfSpecParams:
     # agreement say little of what the model writes next, while a rejected proposal still costs
     # its verification.
     online_corpus_min_context: int = 7
+    # A saved online corpus (a lookup-corpus file, as `OnlineCorpus.save` writes it) that the
+    # call's online corpus starts from: what a tuning study's corpus learned, shipped beside its
+    # profile. Read only where the call's online corpus is on. Resolved like `draft_adapter`.
+    online_corpus_file: str = ""
 
     @property
     def max_proposal_tokens(self) -> int:
@@ -102,7 +106,7 @@ _PROBABILITY_KEYS = (
 )
 # Parameters that name a file beside the profile's generation_config.json; whatever copies,
 # exports or uploads a profile carries these files along.
-PATH_KEYS = ("draft_adapter", "lookup_corpus")
+PATH_KEYS = ("draft_adapter", "lookup_corpus", "online_corpus_file")
 _COUNT_KEYS = {
     "max_draft_tokens": 1,
     "prompt_lookup_tokens": 0,

@@ -49,6 +49,14 @@ def fetch_hub_file_pair(address: str, what: str) -> Path:
     return Path(weights)
 
 
+def local_file(path: str | Path, what: str) -> str | Path:
+    """`path` as a file on this machine: a Hub address fetched (`fetch_hub_file_pair`), any
+    other path as it is."""
+    if str(path).startswith(HUB_ADDRESS_PREFIX):
+        return fetch_hub_file_pair(str(path), what)
+    return path
+
+
 def anchor_profile_files(
     model: nn.Module, values: Mapping[str, Any], config_dir: str | Path | None = None
 ) -> dict[str, Any]:

@@ -65,6 +65,9 @@ class Strategy:
         "draft_alternatives",
         "backoff_probe_interval",
         "prompt_lookup_min_tokens",
+        "online_corpus_min_prob",
+        "online_corpus_max_tokens",
+        "online_corpus_min_context",
     )
 
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:

@@ -32,6 +32,7 @@ from .lookup_corpus import read_corpus_description, save_lookup_corpus
 from .masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from .measure import TimedRun, forward_timings, timed, timed_generate
 from .narrow_linear import choose_layouts, verifying
+from .online_corpus import OnlineCorpus, online_corpus
 from .params import SelfSpecParams, default_skip_layers, resolve_params
 from .policies import AdaptiveLookupLength
 from .profile_files import AdapterConflictError, adapter_digest, copy_adapter, files_named_by
@@ -39,6 +40,7 @@ from .profiles import TunedProfile, device_profile_key, read_config_json, read_p
 from .prompts import (
     HELD_OUT_SPLIT,
     HUMANEVAL,
+    STREAMS,
     TUNE_SPLIT,
     WORKLOAD,
     WORKLOAD_CATEGORIES,
@@ -75,11 +77,13 @@ __all__ = [
     "LayerSkipDrafter",
     "MODEL_SOURCE",
     "NEAR_TIE",
+    "OnlineCorpus",
     "PLAIN",
     "Prompt",
     "PromptFileError",
     "RestrictedDraftHead",
     "Runtime",
+    "STREAMS",
     "SelfSpecParams",
     "ShallowExitDrafter",
     "SkippingDecoder",
@@ -118,6 +122,7 @@ __all__ = [
     "load_prompts",
     "model_attention_mask",
     "model_name",
+    "online_corpus",
     "output_directory",
     "parse_dtype",
     "positive_float",

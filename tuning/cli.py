@@ -132,9 +132,11 @@ def _export(args: argparse.Namespace) -> int:
     adapter = result.profile.params["draft_adapter"]
     if adapter:
         print(f"Copied its draft adapter {adapter} (and its .json) beside it")
-    corpus = result.profile.params["lookup_corpus"]
-    if corpus:
-        print(f"Copied its lookup corpus {corpus} (and its .json) beside it")
+    for key, what in (("lookup_corpus", "its lookup corpus"), ("online_corpus_file", "what its online corpus learned")):
+        if result.profile.params[key]:
+            print(f"Copied {what}, {result.profile.params[key]} (and its .json), beside it")
+    if result.profile.params["online_corpus_file"]:
+        print("Its online corpus starts from it once switched on (online_corpus=, or the config's online_corpus)")
     if result.infeasible_trials:
         print(
             "Passed over trials below the study's category floor: "

@@ -158,16 +158,36 @@ def time_verification(model, widths: tuple[int, ...] = VERIFY_WIDTHS) -> dict[in
 def default_prompts(source: str | None, max_new_tokens: int = DEFAULT_NEW_TOKENS) -> PromptConfig:
     """The tune split of the general workload, one prompt per category (so every kind of text
     counts, in little time); or, from a JSONL file, its tune split if it marks one, else its first
-    prompts."""
+    prompts; request streams by category too (each stream's first, in order), so that every
+    stream is tuned on and an online corpus learns each as it goes."""
     if source is None:
         return PromptConfig(source=WORKLOAD, split=TUNE_SPLIT, per_category=1, max_new_tokens=max_new_tokens)
     marked = any(prompt.split == TUNE_SPLIT for prompt in read_jsonl_prompts(source))
+    streams = has_streams(source)
     return PromptConfig(
         source=str(Path(source).resolve()),
-        n_prompts=DEFAULT_N_PROMPTS,
+        n_prompts=None if streams else DEFAULT_N_PROMPTS,
         split=TUNE_SPLIT if marked else None,
         max_new_tokens=max_new_tokens,
+        per_category=1 if streams else None,
     )
+
+
+def has_streams(source: str | None) -> bool:
+    """Whether a prompt file holds request streams (prompts marked with their `stream`): text
+    that repeats across requests, which an online corpus learns."""
+    return source is not None and any(prompt.stream for prompt in read_jsonl_prompts(source))
+
+
+def online_corpus_ranges(space: DerivedSpace) -> dict[str, tuple[float, float]]:
+    """The online corpus's knobs, for a study that may switch it on: proposals as long as the
+    device verifies cheaply (the lookups' reach), agreement from a loose tenth to a strict
+    majority, contexts from any match to a long one."""
+    return {
+        "online_corpus_min_prob": (0.1, 0.6),
+        "online_corpus_max_tokens": (2, int(space.ranges["prompt_lookup_max_tokens"][1])),
+        "online_corpus_min_context": (1, 12),
+    }
 
 
 def objective_for(model) -> str:
@@ -192,18 +212,22 @@ def default_study_config(
     storage: str | None = None,
     draft_adapters: Mapping[str, str] | None = None,
     lookup_corpus: str = "",
+    online_corpus: bool = False,
 ) -> StudyConfig:
     """A study over `space` (estimated ones have their best estimates confirmed by real decoding):
     the layer-skip draft, or, given trained adapters, Kangaroo choosing among them; prompt lookup
-    always on, into `lookup_corpus` if there is one."""
+    always on, into `lookup_corpus` if there is one; with `online_corpus`, trials choose whether
+    to learn across the prompts too."""
     strategy = "kangaroo" if draft_adapters else "self_speculative"
     knobs = strategy_knobs(strategy)
+    ranges = {**space.ranges, **(online_corpus_ranges(space) if online_corpus else {})}
     return StudyConfig(
         model=model,
         prompts=prompts,
         search=SearchConfig(
             strategy=strategy,
-            ranges={knob: span for knob, span in space.ranges.items() if knob in knobs},
+            ranges={knob: span for knob, span in ranges.items() if knob in knobs},
+            online_corpus=(False, True) if online_corpus else (False,),
             warm_start_skip_ratios=space.warm_start_skip_ratios,
             draft_adapters=dict(draft_adapters or {}),
             lookup_corpus=lookup_corpus,
@@ -214,7 +238,8 @@ def default_study_config(
 
 def study_for_model(model: ModelConfig, storage: str | None = None, prompts: str | None = None) -> StudyConfig:
     """The study `tune --model` runs: the defaults `optimize` tunes with, measured on this device,
-    without a lookup corpus or an adapter (neither exists yet for a model without a study)."""
+    without a lookup corpus or an adapter (neither exists yet for a model without a study), and
+    with the online corpus searched on request streams."""
     from hf_selfspec.tuner_api import decoder_layers
 
     loaded, _ = model.load()
@@ -224,4 +249,4 @@ def study_for_model(model: ModelConfig, storage: str | None = None, prompts: str
     objective = objective_for(loaded)
     del loaded
     return default_study_config(model, space, default_prompts(prompts), name=f"default:{Path(model.name).name}",
-                                objective=objective, storage=storage)
+                                objective=objective, storage=storage, online_corpus=has_streams(prompts))

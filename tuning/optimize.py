@@ -42,6 +42,7 @@ from .default_study import (
     default_prompts,
     default_study_config,
     derive_space,
+    has_streams,
     objective_for,
     time_verification,
 )
@@ -323,6 +324,7 @@ def _study_config(run: _Run):
         request.model, _space(run), default_prompts(request.prompts), name=name,
         objective=run.stages["measure"]["objective"], storage=storage,
         draft_adapters=run.stages["adapter"]["adapters"], lookup_corpus=run.stages["corpus"]["corpus"],
+        online_corpus=has_streams(request.prompts),
     )
 
 
@@ -395,7 +397,7 @@ def _confirm(run: _Run) -> dict[str, Any]:
     from hf_selfspec.tuner_api import DIVERGENT, available_strategies
 
     from .studies.categories import is_feasible
-    from .studies.space import ADAPTER_PARAM, decode_params
+    from .studies.space import ADAPTER_PARAM, decode_params, uses_online_corpus
 
     tuned = run.stages["tune"]
     config = _study_config(run)
@@ -421,6 +423,8 @@ def _confirm(run: _Run) -> dict[str, Any]:
         if ADAPTER_PARAM in trial.params:
             params["draft_adapter"] = config.search.draft_adapters[trial.params[ADAPTER_PARAM]]
         params["lookup_corpus"] = config.search.lookup_corpus
+        if uses_online_corpus(trial.params):  # emptied by the bench at the start of each stream
+            params["online_corpus"] = f"optimize/trial-{trial.number}"
         contenders.append(Contender(
             f"trial {trial.number}", {"strategy": config.search.strategy, "do_sample": False, **params},
             family=HF_SELFSPEC, params_label=TUNED,

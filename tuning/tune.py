@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -25,14 +26,14 @@ from optuna.trial import TrialState
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from hf_selfspec.tuner_api import adapter_digest
+from hf_selfspec.tuner_api import adapter_digest, cache_root
 
 from . import TuningError
 from .studies.categories import describe_categories, is_feasible
 from .studies.config import StudyConfig, check_adapters_fit
 from .studies.dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
 from .costmodel import check_supported, estimated_objective, record_cost_model, teacher_force
-from .studies.objective import LosslessViolation, SpeedupObjective, prepare_prompts
+from .studies.objective import LosslessViolation, SpeedupObjective, prepare_prompts, save_learned_corpus
 from .studies.space import warm_start_trials
 from .studies.study_prompts import select_study_prompts
 from .studies.storage import (
@@ -206,6 +207,9 @@ def run_tune(
     }
     prepared, baseline_tps = prepare_prompts(model, tokenizer, prompts, generate_kwargs)
     context = dataclasses.replace(context, baseline_tokens_per_second=baseline_tps)
+    if True in config.search.online_corpus:
+        learned = save_learned_corpus(model, prepared, cache_root() / "online-corpora" / re.sub(r"[^\w.-]+", "-", measured_name))
+        context = dataclasses.replace(context, online_corpus_file=str(learned), online_corpus_digest=adapter_digest(learned))
     context.save(study)
     write_study_note(study)
     worker = f"{socket.gethostname()}:{os.getpid()}"
@@ -253,6 +257,7 @@ def _study_context(config: StudyConfig, model, device_key: str, num_layers: int,
         draft_adapter_digests={name: adapter_digest(path) for name, path in config.search.draft_adapters.items()},
         lookup_corpus=config.search.lookup_corpus,
         lookup_corpus_digest=adapter_digest(config.search.lookup_corpus) if config.search.lookup_corpus else "",
+        online_corpus_choices=list(config.search.online_corpus),
         prompt_split=config.prompts.split or "",
         prompts_per_category=config.prompts.per_category or 0,
         category_floor=config.study.category_floor or 0.0,
@@ -301,7 +306,8 @@ def _estimating(model, prepared, config: StudyConfig, num_layers: int, generate_
     forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
     max_draft = int(config.search.range_of("max_draft_tokens")[1])
     max_alternatives = int(config.search.range_of("draft_alternatives")[1])
-    longest_lookup = int(config.search.range_of("prompt_lookup_max_tokens")[1])
+    lookups = ("prompt_lookup_max_tokens", *(("online_corpus_max_tokens",) if True in config.search.online_corpus else ()))
+    longest_lookup = int(max(config.search.range_of(name)[1] for name in lookups))
     widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
     objective, cost_watch = estimated_objective(
         model, forced, config.search, num_layers, widest, generate_kwargs, worker, config.study.category_floor

@@ -49,8 +49,8 @@ def _importable(name: str) -> bool:
 
 
 def _decode(generate, prompts, max_new_tokens, **kwargs):
-    """Token ids, the strategy's drafted count (None when it decoded plainly) and the raw logits
-    per prompt."""
+    """Token ids, the strategy's drafted count (None when it decoded plainly), the raw logits and
+    the accepted count per prompt."""
     import torch
 
     results = []
@@ -66,7 +66,8 @@ def _decode(generate, prompts, max_new_tokens, **kwargs):
             **kwargs,
         )
         stats = getattr(output, "strategy_stats", None)
-        results.append((output.sequences[0].tolist(), None if stats is None else stats.drafted_tokens, output.logits))
+        drafted, accepted = (None, None) if stats is None else (stats.drafted_tokens, stats.accepted_tokens)
+        results.append((output.sequences[0].tolist(), drafted, output.logits, accepted))
     return results
 
 
@@ -88,6 +89,7 @@ def _compare(model, generate, prompts, max_new_tokens, **kwargs) -> dict:
         "identical": [p[0] == q[0] for p, q in zip(plain, packaged)],
         "differences": [_first_difference(p, q) for p, q in zip(plain, packaged)],
         "drafted": [q[1] for q in packaged],
+        "accepted": [q[3] for q in packaged],
         "class_kept": type(model) is plain_class,
     }
 

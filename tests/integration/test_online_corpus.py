@@ -106,3 +106,30 @@ def test_one_keys_text_is_never_proposed_under_another_key():
     assert learned_a.texts == 0 and learned_b.texts == 1
     with pytest.raises(ValueError, match="online_corpus must be"):
         model.generate(prompt, max_new_tokens=4, strategy="plain", online_corpus=3)
+
+
+def test_the_generation_config_switches_the_corpus_on_and_a_named_file_seeds_it_once(tmp_path):
+    model = tiny_model("llama", initializer_range=0.3)
+    model.generation_config.eos_token_id = None
+    prompts = _prompts(3)
+    for prompt in prompts:
+        model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain", online_corpus="tuned")
+    saved = str(hf_selfspec.online_corpus(model, "tuned").save(tmp_path / "shipped"))
+    expected = [model.generate(p, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="plain") for p in prompts]
+    model.generation_config.online_corpus = "served"
+    served = hf_selfspec.online_corpus(model, "served")
+
+    def decode(prompt, **kwargs):
+        return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, strategy="self_speculative",
+                              online_corpus_file=saved, **LOOKUP, **kwargs)
+
+    assert decode(prompts[0]).tolist() == expected[0].tolist()
+    assert served.texts == 3 + 1, "started from the file's three texts, then learned the call's"
+    assert decode(prompts[1]).tolist() == expected[1].tolist()
+    assert served.texts == 3 + 2, "the file is read once, not once a call"
+    served.clear()
+    # The call's keyword wins over the config: off here, so nothing is read or learned.
+    assert decode(prompts[2], online_corpus=False).tolist() == expected[2].tolist()
+    assert served.texts == 0
+    assert decode(prompts[2]).tolist() == expected[2].tolist()
+    assert served.texts == 3 + 1, "a cleared corpus starts from the file again"

@@ -203,3 +203,40 @@ def test_every_shipped_profile_lent_to_a_clean_checkpoint_without_hf_selfspec(tm
                 assert verdict.consistent, (path, verdict)
         if dtype == "float32":
             assert facts[path]["identical"] == [True] * len(prompts), path
+
+
+def test_a_generation_config_switches_the_online_corpus_on_and_the_package_starts_it_from_its_file(
+    tiny_model_dir, tmp_path
+):
+    """Off by default; `online_corpus` in the model's generation config switches it on, and the
+    corpus starts from the saved one the lent profile names (what tuning learned): the first
+    prompt's text is in that file, the second's is learned by its first call, for its second."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_selfspec.lookup_corpus import save_lookup_corpus
+
+    prompts = [[5, 17, 42, 8, 9], [60, 1, 33], [60, 1, 33]]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    learned = model.generate(torch.tensor(prompts[:1]), max_new_tokens=24, do_sample=False)[0].tolist()
+    exported = tmp_path / "exported"
+    corpus = save_lookup_corpus([learned], exported / "online-learned", 96, "what tuning learned")
+    params = {**TINY_PROFILE["params"], "online_corpus_file": Path(corpus).name, "prompt_lookup_tokens": 2,
+              "online_corpus_min_context": 1, "online_corpus_min_prob": 0.0}
+    (exported / "generation_config.json").write_text(json.dumps({PROFILE_KEY: {"cpu/float32": {**TINY_PROFILE, "params": params}}}))
+    package_dir = package(exported / "generation_config.json", tmp_path / "package").folder
+
+    def decode(name: str, config: dict) -> dict:
+        served = tmp_path / name
+        served.mkdir()
+        for item in tiny_model_dir.iterdir():
+            if item.name != "generation_config.json":
+                (served / item.name).symlink_to(item.resolve())
+        (served / "generation_config.json").write_text(json.dumps(config))
+        return run_isolated(tmp_path, package=str(package_dir), model=str(served), model_repo=None, prompts=prompts,
+                            max_new_tokens=24, check_other_dtype=False)["custom_generate"]
+
+    off, on = decode("off", {}), decode("on", {"online_corpus": "tenant"})
+    assert off["identical"] == on["identical"] == [True] * 3
+    assert off["accepted"][1] == off["accepted"][2], "without the corpus, a call learns nothing from the last"
+    assert on["accepted"][0] > off["accepted"][0], "started from the packaged corpus"
+    assert on["accepted"][2] > on["accepted"][1], "learned from the call before"

@@ -316,3 +316,27 @@ def test_a_corpus_without_two_chunks_skips_the_adapter_and_says_why(tiny_llama_d
     assert adapter["adapters"] == {} and "1 chunk(s)" in adapter["reason"]
     assert not (tmp_path / "out" / "work" / "train-adapter.toml").exists()
 
+
+
+def test_on_request_streams_it_tunes_the_online_corpus_and_ships_what_it_learned(tiny_llama_dir, tmp_path,
+                                                                                 monkeypatch, one_thread):
+    """Trials choose whether to learn across the streams; the winner's profile names the corpus
+    its trial learned where it learned with one, and the file is beside the config."""
+    from hf_selfspec.prompts import streams_path
+    from hf_selfspec.tuning.studies.space import uses_online_corpus
+    import optuna
+
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
+    output = tmp_path / "out"
+    assert _optimize(tiny_llama_dir, output, "--prompts", streams_path()) == 0
+    study = load_study_config(output / STUDY_FILE)
+    assert study.search.online_corpus == (False, True)
+    assert study.prompts.per_category >= 1 and study.search.ranges["online_corpus_min_context"] == (1, 12)
+    tuned = _state(output)["stages"]["tune"]
+    trials = optuna.load_study(study_name=tuned["study"], storage=tuned["storage"]).get_trials()
+    assert any(uses_online_corpus(trial.params) for trial in trials)
+    profile = read_profiles_file(output / "generation_config.json")["cpu/float32"]
+    winner = next(t for t in trials if t.number == profile.measured["trial"])
+    assert bool(profile.params["online_corpus_file"]) == uses_online_corpus(winner.params)
+    if profile.params["online_corpus_file"]:
+        assert (output / profile.params["online_corpus_file"]).is_file()

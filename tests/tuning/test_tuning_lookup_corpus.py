@@ -83,7 +83,7 @@ def test_every_trial_looks_up_in_the_corpus(tuned):
 def test_export_carries_the_corpus_and_the_folder_decodes_with_it(tuned, tiny_llama_dir, tmp_path, capsys):
     output = tmp_path / "exported"
     assert main(["export", "--study", tuned.outcome.study.study_name, "--storage", tuned.storage, "--output", str(output)]) == 0
-    assert "Copied its lookup corpus own-text.safetensors" in capsys.readouterr().out
+    assert "Copied its lookup corpus, own-text.safetensors" in capsys.readouterr().out
     profile = json.loads((output / "generation_config.json").read_text())[PROFILE_KEY]["cpu/float32"]
     assert profile["params"]["lookup_corpus"] == "own-text.safetensors"
     for source in adapter_files(tuned.directory / "corpora" / "own-text"):

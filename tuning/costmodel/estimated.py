@@ -8,11 +8,11 @@ from typing import Any
 
 import optuna
 
-from hf_selfspec.tuner_api import resolve_params
+from hf_selfspec.tuner_api import online_corpus, resolve_params
 
 from ..studies.categories import CategorySpeedups
 from ..studies.config import SearchConfig
-from ..studies.objective import begin_trial
+from ..studies.objective import begin_trial, fresh_corpus_key
 from .calibration import calibrate, calibrate_loop, verification_runs
 from .drift import CostModelWatch
 from .predictions import draft_predictions
@@ -46,10 +46,14 @@ class EstimatedSpeedupObjective:
             params = resolve_params(num_layers, values)
         except ValueError as error:
             raise optuna.TrialPruned(f"invalid skip set: {error}") from None
+        key = fresh_corpus_key(self.model, trial.params)
+        corpus = online_corpus(self.model, key) if key is not None else None
         categories = CategorySpeedups([data.prompt.category for data in self.prompts])
         for data in self.prompts:
             predicted = draft_predictions(self.model, data, params)
-            seconds, stats = estimate_decode(self.model, data, params, self.search.strategy, predicted, self.cost)
+            seconds, stats = estimate_decode(
+                self.model, data, params, self.search.strategy, predicted, self.cost, corpus
+            )
             plain = plain_seconds(data, self.cost)
             if not stats.accepted_tokens:
                 # Every token then took a forward pass of the full model, as in plain decoding,

@@ -14,6 +14,7 @@ from hf_selfspec.tuner_api import (
     Draft,
     DraftAwareCache,
     Drafter,
+    OnlineCorpus,
     Runtime,
     SelfSpecParams,
     Strategy,
@@ -113,17 +114,21 @@ def estimate_decode(
     strategy: str | Strategy,
     draft: DraftPredictions,
     cost: CostModel,
+    online_corpus: OnlineCorpus | None = None,
 ) -> tuple[float, StrategyStats]:
     """The priced seconds and the counters of decoding `data`'s prompt with `strategy`: the
     decoding loop itself (`speculative_decode`), with plain greedy's known tokens for the full
     model's verdicts, `draft`'s predictions for the model's draft, and `cost`'s prices for its
     clock. Everything else is the strategy's own composition: prompt lookup and its corpus, the
-    gate, the exit policy, the back-off, a drafter of its own."""
+    gate, the exit policy, the back-off, a drafter of its own, and `online_corpus` where given,
+    which then learns the prompt and its text as a real call's would."""
     strategy = resolve_strategy(strategy)
     cache = DraftAwareCache()  # stays empty: the known verifier writes no KV
     # The model's draft would cost forward passes, which the estimate exists to save: wherever
     # the strategy builds it, it gets the prediction instead.
-    parts = strategy.build(model, params, cache, model_drafter=_PredictedDraft(draft, data.prompt_length))
+    parts = strategy.build(
+        model, params, cache, model_drafter=_PredictedDraft(draft, data.prompt_length), online_corpus=online_corpus
+    )
     request = DecodeRequest(
         data.full_text[None, : data.prompt_length],
         TokenSelector(LogitsProcessorList(), do_sample=False),
@@ -135,6 +140,8 @@ def estimate_decode(
     clock = PricedClock(cost, params, data.prefill_seconds)
     runtime = Runtime(_KnownVerifier(data, model.get_output_embeddings().weight.shape[0]), clock)
     result = speculative_decode(model, cache, parts, request, StrategyStats(strategy=strategy.name), runtime)
+    if online_corpus is not None:
+        online_corpus.add(data.full_text.tolist())
     return clock.seconds, result.stats
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from hf_selfspec.tuner_api import (
     HELD_OUT_SPLIT,
     HUMANEVAL,
+    STREAMS,
     TUNE_SPLIT,
     WORKLOAD,
     adapter_files,
@@ -24,7 +25,7 @@ from hf_selfspec.tuner_api import (
     resolve_strategy,
 )
 
-from .knobs import KNOBS, strategy_knobs
+from .knobs import KNOBS, ONLINE_CORPUS_KNOBS, strategy_knobs
 from .toml_reader import ModelConfig, StudyConfigError, TomlReader, read_model_section, read_toml_config
 
 SAMPLERS = ("tpe", "random")
@@ -36,7 +37,7 @@ DEFAULT_N_PROMPTS = 8
 
 @dataclass(frozen=True)
 class PromptConfig:
-    source: str = HUMANEVAL  # "humaneval", "workload", or a JSONL file's resolved path
+    source: str = HUMANEVAL  # "humaneval", "workload", "streams", or a JSONL file's resolved path
     # At most this many prompts; None: DEFAULT_N_PROMPTS from a slice, all from a per-category selection.
     n_prompts: int | None = None
     offset: int = 0
@@ -58,6 +59,9 @@ class SearchConfig:
     draft_adapters: dict[str, str] = field(default_factory=dict)
     # A lookup corpus every trial's prompt lookup continues into (its weights file), or "".
     lookup_corpus: str = ""
+    # Whether a trial learns across its prompts with an online corpus of its own: the choices the
+    # switch is searched over ((False,): never, (True,): always, both: the sampler decides).
+    online_corpus: tuple[bool, ...] = (False,)
 
     def range_of(self, knob: str) -> tuple[float, float]:
         return self.ranges.get(knob, KNOBS[knob].default_range)
@@ -99,18 +103,19 @@ class StudyConfig:
 
 _SECTIONS = {"model": ModelConfig, "prompts": PromptConfig, "search": SearchConfig, "study": StudySettings}
 # `search` spells each knob's range as its own key; `ranges` is only the parsed form.
-_SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", "draft_adapters", "lookup_corpus", *KNOBS}
+_SEARCH_KEYS = {"strategy", "warm_start_skip_ratios", "draft_adapters", "lookup_corpus", "online_corpus", *KNOBS}
 
 
 def _prompt_source(reader: TomlReader, table: dict[str, Any]) -> str:
     source = reader.get(table, "prompts", "source", str, HUMANEVAL)
-    if source in (HUMANEVAL, WORKLOAD):
+    if source in (HUMANEVAL, WORKLOAD, STREAMS):
         return source
     # A prompt file is named relative to the config, so a study directory can be moved whole.
     resolved = (reader.path.parent / source).resolve()
     if not resolved.is_file():
         raise reader.error(
-            "prompts.source", f"{source!r} is neither {HUMANEVAL!r}, {WORKLOAD!r} nor a JSONL file ({resolved})"
+            "prompts.source",
+            f"{source!r} is neither {HUMANEVAL!r}, {WORKLOAD!r}, {STREAMS!r} nor a JSONL file ({resolved})",
         )
     return str(resolved)
 
@@ -127,7 +132,7 @@ def _split(reader: TomlReader, table: dict[str, Any], source: str) -> str | None
         raise reader.error("prompts.split", f"must be {TUNE_SPLIT!r}, got {split!r}")
     if split is not None and source == HUMANEVAL:
         raise reader.error("prompts.split", f"{HUMANEVAL!r} has no splits; keep prompts apart with offset")
-    return TUNE_SPLIT if source == WORKLOAD else split
+    return TUNE_SPLIT if source in (WORKLOAD, STREAMS) else split
 
 
 def _prompts(reader: TomlReader) -> PromptConfig:
@@ -221,6 +226,23 @@ def _lookup_corpus(reader: TomlReader, table: dict[str, Any], ranges: dict[str, 
     return str(tokens.resolve())
 
 
+def _online_corpus(reader: TomlReader, table: dict[str, Any], ranges: dict[str, tuple[float, float]]) -> tuple[bool, ...]:
+    """The switch's choices: `true`, `false`, or both as a list. The corpus is one more source of
+    prompt lookup, so a trial that may switch it on must look up; and its knobs are read only
+    where it is on."""
+    key = "search.online_corpus"
+    value = table.get("online_corpus", False)
+    choices = [value] if isinstance(value, bool) else value
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, bool) for c in choices):
+        raise reader.error(key, f"must be true, false or [false, true], got {value!r}")
+    if True in choices and ranges.get("prompt_lookup_tokens", KNOBS["prompt_lookup_tokens"].default_range)[0] < 1:
+        raise reader.error(key, "is a source of prompt lookup: give search.prompt_lookup_tokens a range from 1 up")
+    unread = [name for name in ONLINE_CORPUS_KNOBS if name in ranges]
+    if unread and True not in choices:
+        raise reader.error(f"search.{unread[0]}", "is read only with the online corpus on: set search.online_corpus")
+    return tuple(dict.fromkeys(choices))
+
+
 def _strategy(reader: TomlReader, table: dict[str, Any], default: str) -> str:
     """A registered strategy's name, whose every declared knob the tuner can search."""
     strategy = reader.get(table, "search", "strategy", str, default)
@@ -275,6 +297,7 @@ def _search(reader: TomlReader) -> SearchConfig:
         warm_start_skip_ratios=tuple(float(r) for r in ratios),
         draft_adapters=_draft_adapters(reader, table, strategy),
         lookup_corpus=_lookup_corpus(reader, table, ranges),
+        online_corpus=_online_corpus(reader, table, ranges),
     )
 
 

@@ -4,7 +4,9 @@ The file starts as the one already in DIR, or else the model's own generation co
 this device's profile is added or replaced (in the format `hf_selfspec.profiles` defines), so
 one config file collects profiles measured on many machines. A profile that drafts with a
 trained adapter gets the adapter's two files copied beside the config and names it by file name,
-so DIR is self-contained. Nothing else in DIR is touched, which makes DIR safely a model
+so DIR is self-contained; so does a lookup corpus, and the saved online corpus of a trial that
+learned across its prompts (`online_corpus_file`: what the call's online corpus starts from, once
+an operator switches it on). Nothing else in DIR is touched, which makes DIR safely a model
 directory.
 """
 
@@ -34,7 +36,7 @@ from hf_selfspec.tuner_api import (
 from .. import TuningError
 from .categories import POOLED
 from .dashboard import best_trial, count_states, infeasible_trials
-from .space import decode_params
+from .space import decode_params, uses_online_corpus
 from .storage import StudyContext, load_existing_study
 
 CONFIG_NAME = "generation_config.json"
@@ -150,6 +152,8 @@ def best_profile(study, context: StudyContext, trial_number: int | None = None) 
         measured["category_floor"] = context.category_floor
     params = decode_params(best.params, context.strategy, context.num_layers)
     params["lookup_corpus"] = context.lookup_corpus_name  # beside the config, where `export` puts it
+    if uses_online_corpus(best.params):  # what its corpus learned, beside the config too
+        params["online_corpus_file"] = Path(context.online_corpus_file).name
     return TunedProfile(context.strategy, params, measured)
 
 
@@ -184,6 +188,8 @@ def export_profile(
         _copy_chosen_adapter(context, profile.params["draft_adapter"], output_dir)
     if context.lookup_corpus:
         _copy_measured_file(context.lookup_corpus, context.lookup_corpus_digest, output_dir, "looks up in")
+    if profile.params["online_corpus_file"]:
+        _copy_measured_file(context.online_corpus_file, context.online_corpus_digest, output_dir, "starts its online corpus from")
     output_dir.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, data)
     return ExportResult(

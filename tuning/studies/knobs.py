@@ -66,8 +66,18 @@ KNOBS: dict[str, Knob] = {
         Knob("draft_alternatives", int, _fixed_at_default("draft_alternatives"), (0, None)),
         # How often the back-off probes the mode it is not using (0: never back off).
         Knob("backoff_probe_interval", int, _fixed_at_default("backoff_probe_interval"), (0, None)),
+        # The online corpus's (searched only in trials that switch it on; see the config's
+        # `online_corpus`): the share of a context's occurrences that must agree for its proposal
+        # to go on, the longest proposal, and the shortest context it proposes from.
+        Knob("online_corpus_min_prob", float, _fixed_at_default("online_corpus_min_prob"), (0.0, 1.0)),
+        Knob("online_corpus_max_tokens", int, _fixed_at_default("online_corpus_max_tokens"), (1, None)),
+        Knob("online_corpus_min_context", int, _fixed_at_default("online_corpus_min_context"), (1, None)),
     )
 }
+
+
+# The knobs that only a trial with the online corpus switched on reads.
+ONLINE_CORPUS_KNOBS = ("online_corpus_min_prob", "online_corpus_max_tokens", "online_corpus_min_context")
 
 
 def strategy_knobs(strategy: str) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -24,19 +25,21 @@ import torch
 from hf_selfspec.tuner_api import (
     NEAR_TIE,
     PLAIN,
+    OnlineCorpus,
     Consistency,
     Prompt,
     StrategyStats,
     TimedRun,
     check_greedy_consistency,
     encode_prompt,
+    online_corpus,
     resolve_params,
     timed_generate,
 )
 
 from .categories import CategorySpeedups, alternating_order, rotation_offsets
 from .config import SearchConfig
-from .space import ADAPTER_PARAM, skip_ratio, suggest_params
+from .space import ADAPTER_PARAM, skip_ratio, suggest_params, uses_online_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,28 @@ def prepare_prompts(
         tokens += len(run.new_tokens)
         seconds += run.seconds
     return prepared, tokens / seconds if seconds > 0 else 0.0
+
+
+def save_learned_corpus(model, prompts: Sequence[PreparedPrompt], path: Path) -> Path:
+    """Save what a trial's online corpus holds once it has decoded every prompt: each prompt and
+    plain greedy's text after it (the trial's own, as it decodes losslessly), in order, bounded
+    as the trial's was. `export` ships it beside a profile whose trial learned with it."""
+    corpus = OnlineCorpus(model.get_output_embeddings().weight.shape[0])
+    for prompt in prompts:
+        corpus.add(prompt.inputs["input_ids"][0].tolist() + prompt.reference_tokens)
+    return corpus.save(path, f"what an online corpus learned from {len(prompts)} study prompts")
+
+
+def fresh_corpus_key(model, values: dict[str, Any], candidate: int = 0, round_: int = 0) -> str | None:
+    """The key of the online corpus a trial (its Optuna parameters `values`) decodes its prompts
+    with, emptied now; None where the trial does not switch the corpus on. One per candidate
+    measured at once and per round of its decodes, so a trial learns neither from another's
+    decodes nor from its own earlier round of the same prompt, only from the prompts before."""
+    if not uses_online_corpus(values):
+        return None
+    key = f"tuning/candidate-{candidate}/round-{round_}"
+    online_corpus(model, key).clear()
+    return key
 
 
 def begin_trial(trial: optuna.trial.BaseTrial, search: SearchConfig, num_layers: int, worker: str) -> dict[str, Any]:
@@ -126,6 +151,7 @@ class SpeedupObjective:
             resolve_params(self.num_layers, params)
         except ValueError as error:
             raise optuna.TrialPruned(f"invalid skip set: {error}") from None
+        params = {**params, "online_corpus": fresh_corpus_key(self.model, trial.params)}
         totals = CategorySpeedups([prompt.category for prompt in self.prompts])
         near_ties: list[str] = []  # prompts whose output left plain greedy's at a near-tie
         trial.set_user_attr("near_tie_prompts", near_ties)
@@ -159,6 +185,10 @@ class SpeedupObjective:
         `LosslessViolation`. `on_prompt` is called after each prompt, for a progress bar.
         """
         params = [begin_trial(trial, self.search, self.num_layers, self.worker) for trial in trials]
+        by_round = [
+            [{**values, "online_corpus": fresh_corpus_key(self.model, trial.params, index, round_)} for round_ in range(rounds)]
+            for index, (trial, values) in enumerate(zip(trials, params, strict=True))
+        ]
         totals = [CategorySpeedups([prompt.category for prompt in self.prompts]) for _ in trials]
         near_ties: list[list[str]] = [[] for _ in trials]
         for trial, prompts in zip(trials, near_ties, strict=True):
@@ -172,7 +202,7 @@ class SpeedupObjective:
             for round_ in range(rounds):
                 shift = (offset + round_) % len(order)
                 for index in order[shift:] + order[:shift]:
-                    runs[index].append(self._decode(prompt, None if index is None else params[index]))
+                    runs[index].append(self._decode(prompt, None if index is None else by_round[index][round_]))
             for index in live:
                 try:
                     self._score(

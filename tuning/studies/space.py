@@ -18,10 +18,18 @@ import optuna
 from hf_selfspec.tuner_api import SelfSpecParams, default_skip_layers
 
 from .config import SearchConfig
-from .knobs import KNOBS, strategy_knobs
+from .knobs import KNOBS, ONLINE_CORPUS_KNOBS, strategy_knobs
 
 SUB_LAYERS = ("attn", "mlp")
 ADAPTER_PARAM = "draft_adapter"
+# Whether the trial learns across its prompts with an online corpus of its own (a study that
+# never switches it on does not ask for it, so its trials read as they did before it existed).
+ONLINE_CORPUS_PARAM = "online_corpus"
+
+
+def uses_online_corpus(values: Mapping[str, Any]) -> bool:
+    """Whether a trial (its Optuna parameters) decodes with an online corpus."""
+    return bool(values.get(ONLINE_CORPUS_PARAM, False))
 
 
 def skip_param_name(sub_layer: str, layer: int) -> str:
@@ -37,7 +45,10 @@ def suggest_params(trial: optuna.trial.BaseTrial, search: SearchConfig, num_laye
         for layer in range(num_layers):
             for sub_layer in SUB_LAYERS:
                 trial.suggest_categorical(skip_param_name(sub_layer, layer), [False, True])
+    online = True in search.online_corpus and trial.suggest_categorical(ONLINE_CORPUS_PARAM, list(search.online_corpus))
     for name in strategy_knobs(search.strategy):
+        if name in ONLINE_CORPUS_KNOBS and not online:
+            continue  # read only where the corpus is on: the sampler is not asked for what is ignored
         knob = KNOBS[name]
         low, high = search.range_of(name)
         if knob.kind is int:
@@ -60,12 +71,13 @@ def adapter_file_name(adapter: str) -> str:
 def decode_params(values: Mapping[str, Any], strategy: str, num_layers: int) -> dict[str, Any]:
     """Every `SelfSpecParams` field, from a trial's Optuna parameters, as a profile spells them.
 
-    Knobs the strategy does not search keep their documented defaults, and all of them are
+    Knobs the strategy does not search, or that the trial did not read (the online corpus's,
+    with the corpus off), keep their documented defaults, and all of them are
     passed and exported explicitly: a measurement then depends only on the trial, never on
     whatever profile or setting the model's own generation config happens to carry. A chosen
     adapter is named by its file name alone, which is where `export` puts it.
     """
-    knobs = {name: values[name] for name in strategy_knobs(strategy)}
+    knobs = {name: values[name] for name in strategy_knobs(strategy) if name in values}
     if ADAPTER_PARAM in values:  # the adapter replaces the skip set as the draft
         draft: dict[str, Any] = {"draft_adapter": adapter_file_name(values[ADAPTER_PARAM])}
     else:
@@ -102,8 +114,12 @@ def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, A
     costs); identical skip sets appear once. Numeric knobs start at their `SelfSpecParams`
     defaults, moved into the configured range."""
     defaults = SelfSpecParams()
-    knob_values = {}
+    # A study that may switch the corpus on starts with it on: it was written for text that repeats.
+    online = True in search.online_corpus
+    knob_values: dict[str, Any] = {ONLINE_CORPUS_PARAM: True} if online else {}
     for name in strategy_knobs(search.strategy):
+        if name in ONLINE_CORPUS_KNOBS and not online:
+            continue
         low, high = search.range_of(name)
         knob_values[name] = min(max(getattr(defaults, name), low), high)
     if search.draft_adapters:

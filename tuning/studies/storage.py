@@ -159,11 +159,14 @@ def derive_study_name(config: StudyConfig, device_key: str, n_prompts: int) -> s
     speedups measured under different ones are not comparable: a quick run with
     `--n-prompts 2` gets its own study instead of polluting the long one, and re-running the
     same config resumes the same study. A lookup corpus adds its name (`...:lookup=own-code`):
-    free proposals from it change every trial's speed.
+    free proposals from it change every trial's speed. So does an online corpus (`...:online`,
+    or `...:online?` where trials choose).
     """
     parts = [model_label(config.model), config.search.strategy, device_key, prompt_label(config.prompts, n_prompts)]
     if config.search.lookup_corpus:
         parts.append(f"lookup={Path(config.search.lookup_corpus).stem}")
+    if True in config.search.online_corpus:
+        parts.append("online" if False not in config.search.online_corpus else "online?")
     return config.study.name or ":".join(parts)
 
 
@@ -199,6 +202,12 @@ class StudyContext:
     # The lookup corpus every trial looked up in (where this worker keeps it) and its digest.
     lookup_corpus: str = ""
     lookup_corpus_digest: str = ""
+    # The switch's choices (`SearchConfig.online_corpus`), and what a trial's online corpus
+    # holds once it has decoded every prompt (where this worker keeps it, and its digest), for
+    # `export` to ship beside a profile whose trial learned with it.
+    online_corpus_choices: list[bool] = field(default_factory=lambda: [False])
+    online_corpus_file: str = ""
+    online_corpus_digest: str = ""
     # The split the prompts came from ("" for all) and how many of each category were taken (0: a slice).
     prompt_split: str = ""
     prompts_per_category: int = 0
@@ -223,6 +232,7 @@ class StudyContext:
         "draft_adapter_digests",
         "lookup_corpus_name",
         "lookup_corpus_digest",
+        "online_corpus_choices",
     )
 
     @property

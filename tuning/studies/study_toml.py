@@ -39,14 +39,14 @@ def toml_tables(tables: dict[str, dict[str, Any]]) -> str:
 
 
 def _prompt_entries(prompts: PromptConfig, directory: Path) -> dict[str, Any]:
-    source = prompts.source if prompts.source in ("humaneval", "workload") else _relative(prompts.source, directory)
+    source = prompts.source if prompts.source in ("humaneval", "workload", "streams") else _relative(prompts.source, directory)
     return {
         "source": source,
         "n_prompts": prompts.n_prompts,
         "offset": prompts.offset or None,
         "max_new_tokens": prompts.max_new_tokens,
-        # The workload's split is implied; only a prompt file's is written.
-        "split": prompts.split if prompts.source != "workload" else None,
+        # The workload's and the streams' split is implied; only a prompt file's is written.
+        "split": prompts.split if prompts.source not in ("workload", "streams") else None,
         "per_category": prompts.per_category,
     }
 
@@ -62,6 +62,8 @@ def study_toml(config: StudyConfig, path: Path) -> str:
         search_entries["draft_adapters"] = [_relative(weights, directory) for weights in search.draft_adapters.values()]
     if search.lookup_corpus:
         search_entries["lookup_corpus"] = _relative(search.lookup_corpus, directory)
+    if search.online_corpus != (False,):
+        search_entries["online_corpus"] = list(search.online_corpus)
     study = config.study
     return toml_tables({
         "model": model_entries(config.model),
