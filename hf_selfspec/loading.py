@@ -1,4 +1,5 @@
-"""Loading the model a command names: `embedded`, a local directory, or a Hub id."""
+"""Loading the model a command names: `embedded`, a packaged model's name (`packaged_models`), a
+local directory, or a Hub id."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def load_model_and_tokenizer(
     from .gguf import dequantised_copy
     from .inputs import existing_file
     from .mixin import enable
+    from .packaged_models import PACKAGED_MODELS, packaged_model_dir
     from .profiles import use_generation_config_file
 
     dtype = parse_dtype(dtype)
@@ -38,7 +40,11 @@ def load_model_and_tokenizer(
         loaded, tokenizer = load_embedded(dtype=dtype, device=device, generation_config=None)
     else:
         extra = {}
-        if gguf_file and Path(model).is_dir():
+        if model in PACKAGED_MODELS:
+            if gguf_file is not None:
+                raise ValueError(f"--gguf-file applies to a directory or Hub id, not to the packaged model {model}")
+            model = str(packaged_model_dir(model))
+        elif gguf_file and Path(model).is_dir():
             model = str(dequantised_copy(existing_file(Path(model) / gguf_file, "--gguf-file")))
         elif gguf_file:  # a Hub id: transformers fetches and dequantises it
             extra = {"gguf_file": gguf_file}
