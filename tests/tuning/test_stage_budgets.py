@@ -1,4 +1,4 @@
-"""`optimize` on a model that decodes as slowly as one of billions of parameters
+"""`optimize` and the quickstart on a model that decodes as slowly as one of billions of parameters
 on two cores: the tiny model, its every decoder layer advancing a simulated clock, which every
 timing, every budget and every progress line reads. Each stage must be sized from that clock,
 skip what cannot pay back and say why, stay within the budget, and never leave the output silent
@@ -7,6 +7,7 @@ for more than 30 of its seconds."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 from types import SimpleNamespace
@@ -17,9 +18,10 @@ from hf_selfspec import measure as measure_module
 from hf_selfspec import tuner_api
 from hf_selfspec.cli import main
 from hf_selfspec.tuning import optimize as optimize_module
-from hf_selfspec.tuning import progress
+from hf_selfspec.tuning import progress, quickstart
 from hf_selfspec.tuning.budget import StepCosts, corpus_plan, plan_tune, tune_costs
 from hf_selfspec.tuning.optimize_state import STATE_FILE, WORK_DIR
+from hf_selfspec.tuning.studies.config import SearchConfig
 from hf_selfspec.tuning.studies.toml_reader import ModelConfig
 
 SILENCE = 30.0
@@ -139,6 +141,33 @@ def test_a_slow_model_is_optimized_within_its_budget_and_never_silent(tiny_llama
     assert "left" in out.text  # the lines say how long is left where the work is counted or planned
 
 
+def test_the_quickstart_says_how_long_it_takes_and_is_never_silent(tiny_llama_dir, tmp_path, slow_machine,
+                                                                    monkeypatch, one_thread):
+    """The quickstart's stages on the tiny model at a tenth of a second a token: it says how long
+    it will take before it starts, and takes about that, with a line at least every 30 seconds."""
+    config = dataclasses.replace(
+        quickstart.QUICKSTART_CONFIG, model=ModelConfig(str(tiny_llama_dir)), search=SearchConfig()
+    )
+    monkeypatch.setattr(quickstart, "QUICKSTART_CONFIG", config)
+    loader = tuner_api.load_model_and_tokenizer
+
+    def load_tiny(name=None, *args, generation_config=None, **kwargs):
+        model, tokenizer = loader(str(tiny_llama_dir), generation_config=generation_config)
+        return slow_machine.slowed(model), tokenizer
+
+    monkeypatch.setattr(tuner_api, "load_model_and_tokenizer", load_tiny)
+    monkeypatch.setattr(tuner_api, "load_embedded", lambda: load_tiny(generation_config=None))
+    slow_machine.pace.seconds_per_token = 0.1
+    with slow_machine.stamped():
+        status = quickstart.run_quickstart(tmp_path / "out", 40, f"sqlite:///{tmp_path / 'optuna.db'}", False)
+    out = slow_machine.out
+    assert status == 0, out.text
+    (said,) = [line for _, line in out.lines if "the quickstart takes about" in line]
+    assert out.lines.index(next(entry for entry in out.lines if entry[1] == said)) < 3
+    assert slow_machine.clock() <= quickstart.QUICKSTART_SECONDS * 1.2
+    assert out.longest_silence(0.0) <= SILENCE, out.text
+
+
 def test_a_study_that_cannot_pay_back_is_skipped_with_its_reason():
     big = StepCosts(step=1.0, widest=2.4)  # a second a token, 32 tokens verified in 2.4 steps
     reason = plan_tune(20 * 60, big, prompts=8, confirm_top=2)
@@ -157,3 +186,12 @@ def test_a_study_that_cannot_pay_back_is_skipped_with_its_reason():
 def test_a_corpus_that_cannot_pay_back_is_skipped_with_its_reason():
     assert corpus_plan(270, 1.0).startswith("skipped")
     assert corpus_plan(270, 0.01)["self_prompted"] >= 1
+
+
+@pytest.mark.parametrize("seconds_per_token", [0.005, 0.02, 0.05])
+def test_the_quickstart_fits_five_minutes_wherever_its_study_can(seconds_per_token):
+    """A fast machine and a slow float32-only one alike: the plan, demo included, fits."""
+    costs = StepCosts(seconds_per_token, 2 * seconds_per_token)
+    plan = quickstart.quickstart_plan(costs)
+    assert plan.total <= quickstart.QUICKSTART_SECONDS
+    assert plan.trial_seconds > 0
