@@ -14,12 +14,15 @@ a test may replace with a simulated one (and drive the lines with `beat`).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from tqdm.auto import tqdm
 
 T = TypeVar("T")
 
@@ -72,10 +75,16 @@ _last_line = [0.0]
 _thread: list[threading.Thread] = []
 
 
+def _print(line: str) -> None:
+    """`line` on standard output, around any bar drawn on a terminal rather than through it."""
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def say(line: str) -> None:
     """Print `line` now; it counts as the latest line, so the next beat waits a whole interval."""
     with _lock:
-        print(line, flush=True)
+        _print(line)
         _last_line[0] = clock()
 
 
@@ -84,7 +93,7 @@ def beat() -> None:
     with _lock:
         now = clock()
         if _tasks and now - _last_line[0] >= INTERVAL:
-            print(_tasks[-1].line(now), flush=True)
+            _print(_tasks[-1].line(now))
             _last_line[0] = now
 
 
