@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import REPO_ROOT
-from helpers.tuning import cli_command, cli_env, sigkill_when
+from helpers.tuning import OPTIMIZE_BUDGET, cli_command, cli_env, sigkill_when
 
 from hf_selfspec.cli import main
 from hf_selfspec.loading import load_model_and_tokenizer
@@ -25,8 +25,7 @@ from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
 from hf_selfspec.tuning.optimize import STAGES, STUDY_FILE, tune_prompts
 from hf_selfspec.tuning.optimize_state import STATE_FILE, WORK_DIR, Run
 
-# Minutes: enough on the tiny model for every stage, the adapter included, to do some work.
-BUDGET = "1"
+BUDGET = OPTIMIZE_BUDGET
 
 
 

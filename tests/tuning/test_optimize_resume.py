@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 from helpers import REPO_ROOT
-from helpers.tuning import cli_command, cli_env, sigkill_when
+from helpers.tuning import OPTIMIZE_BUDGET, cli_command, cli_env, sigkill_when
 
 from hf_selfspec.tuning import progress
 from hf_selfspec.tuning.optimize import STAGES
@@ -26,7 +26,7 @@ def _recorded(output) -> dict:
 @pytest.mark.parametrize("stage", ["measure", "corpus", "adapter", "confirm"])
 def test_a_run_killed_in_a_stage_resumes_there(stage, tiny_llama_dir, tmp_path):
     output, env = tmp_path / "out", cli_env(HF_SELFSPEC_CACHE=str(tmp_path / "cache"))
-    command = cli_command("optimize", "--model", tiny_llama_dir, "--output", output, "--budget", "1", "--no-progress")
+    command = cli_command("optimize", "--model", tiny_llama_dir, "--output", output, "--budget", OPTIMIZE_BUDGET, "--no-progress")
     before = list(STAGES[: STAGES.index(stage)])
 
     def in_the_stage() -> bool:  # the stages before it recorded, it not yet
