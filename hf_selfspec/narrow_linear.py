@@ -26,11 +26,14 @@ plain decoding's in their last bits, never in more.
 
 A packed copy costs the memory of its weight. A model's layers are packed only where their
 copies fit in half the memory the system reports available when the model is first verified;
-elsewhere the choice is between the other two.
+elsewhere the choice is between the other two, which copy no weight, and the first model that
+finds no room says so once (a warning from this module's logger): a large model's verifications
+are then slower than where it fits, and the reason is memory, not the machine's kernels.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import statistics
@@ -46,6 +49,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from .measure import timed
+
+logger = logging.getLogger(__name__)
 
 STOCK, TRANSPOSED, PACKED = "stock", "transposed", "packed"
 # Row counts are timed at the top of their band (1, 2, 3-4, 5-6, ...): a verification's width
@@ -77,6 +82,8 @@ _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[weakref.ref, int, torch.Tens
 _STOCK_ONLY: ContextVar[bool] = ContextVar("hf_selfspec_stock_only", default=False)
 _TIMING_LOCK = threading.Lock()
 _INSTALL_LOCK = threading.Lock()
+# Whether a model's packed copies were found not to fit, and said so, in this process.
+_SAID_NO_ROOM: list[bool] = []
 
 
 def _band(rows: int) -> int | None:
@@ -222,6 +229,13 @@ def install(model: nn.Module) -> None:
         copies = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
         available = available_memory()
         packable = available is not None and copies <= _PACKED_MEMORY_SHARE * available
+        if available is not None and not packable and not _SAID_NO_ROOM:
+            _SAID_NO_ROOM.append(True)
+            logger.warning(
+                "the packed copies of this model's linear layers (%.1f GiB) would not fit in half of the %.1f GiB "
+                "of memory free: verifications keep its weights as they are, on the stock or transposed product",
+                copies / 2**30, available / 2**30,
+            )
         for layer in layers:
             layer._hf_selfspec_packable = packable
             layer.forward = types.MethodType(_forward, layer)

@@ -383,7 +383,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "with the shipped exit-1 adapters and prompt lookup into the shipped corpus) on one prompt per category "
         "of the workload's tune split, whose best trials are then measured by real decoding, an export of the "
         "best one, then a held-out workload prompt decoded plainly, with the exported profile and with the "
-        "profile shipped in the package, each timed.",
+        "profile shipped in the package, each timed. It times a few steps first and sizes the tune to fit the "
+        "whole in five minutes, and says how long it will take before it starts.",
     )
     quickstart.add_argument(
         "--output",
@@ -393,7 +394,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where to write generation_config.json (default: %(default)s)",
     )
     quickstart.add_argument(
-        "--n-trials", type=positive_int, default=40, metavar="N", help="estimated trials to run (default: %(default)s)"
+        "--n-trials", type=positive_int, default=40, metavar="N",
+        help="estimated trials to run at most, within the time its plan leaves them (default: %(default)s)",
     )
     quickstart.add_argument("--storage", metavar="URL", help=STORAGE_HELP)
     quickstart.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -24,8 +24,10 @@ from hf_selfspec.tuner_api import (
     WORKLOAD,
     DraftAwareCache,
     cache_keyword,
+    encode_prompt,
     read_jsonl_prompts,
     timed,
+    timed_generate,
     verifying,
 )
 
@@ -136,7 +138,7 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
 
 
 @torch.inference_mode()
-def time_verification(model, widths: tuple[int, ...] = VERIFY_WIDTHS) -> dict[int, float]:
+def time_verification(model, widths: tuple[int, ...] = VERIFY_WIDTHS, rounds: int = _TIMING_ROUNDS) -> dict[int, float]:
     """Median seconds of one forward pass over `w` new tokens after a short prefix, per width,
     in the model's own dtype; widths are timed round-robin so drift spreads over all of them."""
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -144,15 +146,25 @@ def time_verification(model, widths: tuple[int, ...] = VERIFY_WIDTHS) -> dict[in
     text = torch.randint(vocab_size, (1, _PREFIX_TOKENS + max(widths)), generator=generator).to(model.device)
     cache = DraftAwareCache(model.config)
     model(text[:, :_PREFIX_TOKENS], **cache_keyword(cache), use_cache=True)
-    rounds: dict[int, list[float]] = {width: [] for width in widths}
-    for _ in range(_TIMING_ROUNDS + 1):  # the first round warms up, uncounted
+    timings: dict[int, list[float]] = {width: [] for width in widths}
+    for _ in range(rounds + 1):  # the first round warms up, uncounted
         for width in widths:
             new_tokens = text[:, _PREFIX_TOKENS : _PREFIX_TOKENS + width]
             with verifying(model):
                 _, seconds = timed(partial(model, new_tokens, **cache_keyword(cache), use_cache=True), model.device)
-            rounds[width].append(seconds)
+            timings[width].append(seconds)
             cache.rollback(_PREFIX_TOKENS)
-    return {width: statistics.median(seconds[1:]) for width, seconds in rounds.items()}
+    return {width: statistics.median(seconds[1:]) for width, seconds in timings.items()}
+
+
+def time_plain_step(model, tokenizer, prompt, tokens: int = 8) -> float:
+    """Seconds of one plain decoding step (the prefill's share included) over `tokens` tokens of
+    `prompt`, after as many untimed: what every budgeted stage is sized from, timed before any of them."""
+    inputs = encode_prompt(tokenizer, prompt)
+    kwargs = {"strategy": "plain", "do_sample": False, "max_new_tokens": tokens, "pad_token_id": tokenizer.pad_token_id}
+    timed_generate(model, inputs, **kwargs)  # warm-up
+    run = timed_generate(model, inputs, **kwargs)
+    return run.seconds / max(len(run.new_tokens), 1)
 
 
 def default_prompts(source: str | None, max_new_tokens: int = DEFAULT_NEW_TOKENS) -> PromptConfig:

@@ -10,10 +10,16 @@ a model this shallow, so a short tune of it would only show the tuner finding no
 ranges are those of the study behind the shipped bfloat16 default
 (studies/smollm2-135m-workload-general-bf16.toml), so the short tune searches where it did;
 the command still says plainly when no trial beat plain.
+
+It fits in `QUICKSTART_SECONDS` on any CPU: a few plain steps are timed first, and the study is
+sized from them as `optimize` sizes its stages (`budget`), so a slow float32-only machine runs
+fewer trials, on shorter prompts, with its cost model timed in fewer rounds; it says how long
+it will take before it starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from importlib import resources
@@ -33,10 +39,12 @@ from hf_selfspec.tuner_api import (
     timed_generate,
 )
 
-from . import TuningError
+from . import TuningError, progress
+from .budget import CALIBRATION_ROUNDS, MIN_TRIALS, TUNE_NEW_TOKENS, StepCosts, TunePlan, plan_tune, tune_costs
 from .studies.config import PromptConfig, SearchConfig, StudyConfig, StudySettings
 from .studies.export import ExportResult, export_profile
 from .studies.storage import estimated_study_name, open_storage, resolve_storage_url
+from .studies.study_prompts import select_study_prompts
 from .tune import format_summary, run_tune
 
 _SHIPPED = Path(str(resources.files("hf_selfspec").joinpath("data/tuned/smollm2-135m-instruct")))
@@ -67,6 +75,53 @@ QUICKSTART_CONFIG = StudyConfig(
 )
 DEMO_NEW_TOKENS = 64
 DEMO_REPEATS = 3
+# The whole command, from the first timed step to the demo's verdict.
+QUICKSTART_SECONDS = 300
+# Decodes of the demo: a warm-up and the repeats of three contenders, and a reference.
+_DEMO_DECODES = 3 * (DEMO_REPEATS + 1) + 1
+_WIDTHS = (1, 8, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickstartPlan:
+    config: StudyConfig
+    tune: TunePlan
+    trial_seconds: float  # the window the trials run in
+    demo_seconds: float
+
+    @property
+    def total(self) -> float:
+        return self.tune.before_trials + self.trial_seconds + self.tune.confirmation + self.demo_seconds
+
+
+def quickstart_plan(costs: StepCosts, seconds: float = QUICKSTART_SECONDS) -> QuickstartPlan:
+    """The quickstart's study sized to fit `seconds` beside its demo, at `costs`: the most new
+    tokens, timing rounds and confirmation rounds that leave time for trials (on a machine too
+    slow for even the smallest, the smallest, which then takes longer)."""
+    demo = _DEMO_DECODES * costs.decode(DEMO_NEW_TOKENS)
+    prompts = len(select_study_prompts(QUICKSTART_CONFIG.prompts))
+    study = QUICKSTART_CONFIG.study
+    for rounds in range(study.confirm_rounds, 0, -1):
+        plan = plan_tune(seconds - demo, costs, prompts, study.confirm_top, rounds, TUNE_NEW_TOKENS)
+        if not isinstance(plan, str):
+            break
+    else:
+        rounds, plan = 1, tune_costs(costs, prompts, TUNE_NEW_TOKENS[-1], CALIBRATION_ROUNDS[-1], study.confirm_top, 1)
+    config = dataclasses.replace(
+        QUICKSTART_CONFIG,
+        prompts=dataclasses.replace(QUICKSTART_CONFIG.prompts, max_new_tokens=plan.max_new_tokens),
+        study=dataclasses.replace(study, confirm_rounds=rounds, calibration_rounds=plan.calibration_rounds),
+    )
+    window = max(seconds - demo - plan.before_trials - plan.confirmation, MIN_TRIALS * plan.trial)
+    return QuickstartPlan(config, plan, window, demo)
+
+
+def _measure_costs() -> StepCosts:
+    """A few plain steps of the embedded model, and its verification at a few widths, timed here."""
+    from .default_study import time_plain_step, time_verification
+
+    model, tokenizer = QUICKSTART_CONFIG.model.load()
+    return StepCosts.of(time_plain_step(model, tokenizer, demo_prompt()), time_verification(model, _WIDTHS, rounds=1))
 
 
 def demo_prompt() -> Prompt:
@@ -84,18 +139,30 @@ def demo_rate(runs: Sequence[TimedRun]) -> float:
 
 def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_progress: bool = True) -> int:
     output = output_directory(output, "--output")  # refused now, not after minutes of tuning
-    result = _tune_and_export(output, n_trials, storage_url, show_progress)
-    return _demo(result)
+    started = progress.clock()
+    with progress.task("timing a few plain steps"):
+        costs = _measure_costs()
+    plan = quickstart_plan(costs, QUICKSTART_SECONDS - (progress.clock() - started))
+    progress.say(
+        f"A plain step of the embedded model takes {costs.step:.3f} s here: the quickstart takes about "
+        f"{progress.minutes(progress.clock() - started + plan.total)} in all."
+    )
+    with progress.task("the quickstart", planned_seconds=plan.total):
+        result = _tune_and_export(output, plan, n_trials, storage_url, show_progress)
+        return _demo(result)
 
 
-def _tune_and_export(output: Path, n_trials: int, storage_url: str | None, show_progress: bool) -> ExportResult:
+def _tune_and_export(output: Path, plan: QuickstartPlan, n_trials: int, storage_url: str | None,
+                     show_progress: bool) -> ExportResult:
     """Steps 1 and 2: a short estimated study on the embedded model, its best trial exported."""
     storage_url = resolve_storage_url(storage_url)
+    config = plan.config
     print(
-        f"1/3  Tuning Kangaroo and prompt lookup on the embedded model for {n_trials} estimated trials on one "
-        "workload prompt per category, then measuring the best "
-        f"{QUICKSTART_CONFIG.study.confirm_top} by real decoding; this takes a few minutes "
-        "(the full search is `hf-selfspec tune studies/smollm2-135m-workload-general-bf16.toml`).",
+        f"1/3  Tuning Kangaroo and prompt lookup on the embedded model: estimated trials for "
+        f"{progress.minutes(plan.trial_seconds)} (at most {n_trials}) on one workload prompt per category, "
+        f"{config.prompts.max_new_tokens} new tokens each, then measuring the best {config.study.confirm_top} by real "
+        f"decoding, {config.study.confirm_rounds} round(s) (the full search is "
+        "`hf-selfspec tune studies/smollm2-135m-workload-general-bf16.toml`).",
         flush=True,
     )
     storage = open_storage(storage_url)
@@ -103,7 +170,8 @@ def _tune_and_export(output: Path, n_trials: int, storage_url: str | None, show_
     for name in (QUICKSTART_CONFIG.study.name, estimated_study_name(QUICKSTART_CONFIG.study.name)):
         if name in existing:
             optuna.delete_study(study_name=name, storage=storage)
-    outcome = run_tune(QUICKSTART_CONFIG, storage_url, n_trials=n_trials, show_progress=show_progress)
+    deadline = progress.clock() + plan.tune.before_trials + plan.trial_seconds
+    outcome = run_tune(config, storage_url, n_trials=n_trials, show_progress=show_progress, deadline=deadline)
     print(format_summary(outcome))
     best = outcome.best
     if best is None:
@@ -146,7 +214,8 @@ def _demo(result: ExportResult) -> int:
         "shipped profile": lambda: timed_generate(shipped_model, inputs, **kwargs),
     }
     runs: dict[str, list] = {name: [] for name in contenders}
-    for repeat in range(DEMO_REPEATS + 1):  # the first pass warms every contender up, uncounted
+    # the first pass warms every contender up, uncounted
+    for repeat in progress.counting(range(DEMO_REPEATS + 1), "the demo", "rounds of its three decodes"):
         for name, decode in contenders.items():
             run = decode()
             if repeat:

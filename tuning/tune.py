@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import re
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -28,7 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hf_selfspec.tuner_api import adapter_digest, cache_root
 
-from . import TuningError
+from . import TuningError, progress
 from .studies.categories import describe_categories, is_feasible
 from .studies.config import StudyConfig, check_adapters_fit
 from .studies.dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
@@ -135,9 +133,19 @@ class _Progress:
         self.bar.close()
 
 
-def _optimize(study: optuna.Study, objective, n_trials: int, timeout: float | None, callbacks, show_progress: bool):
-    """Run trials with our progress bar and per-trial lines; returns this run's trial counts."""
-    progress = _Progress(n_trials, show_progress)
+def _optimize(
+    study: optuna.Study, objective, n_trials: int, timeout: float | None, callbacks, show_progress: bool,
+    deadline: float | None = None,
+):
+    """Run trials with our progress bar and per-trial lines (and, while a trial runs long, a line
+    at least every interval); returns this run's trial counts."""
+    planned = None if deadline is None else max(deadline - progress.clock(), 0.0)
+    with progress.task("trials", planned_seconds=planned):
+        return _run_trials(study, objective, n_trials, timeout, callbacks, show_progress)
+
+
+def _run_trials(study: optuna.Study, objective, n_trials: int, timeout: float | None, callbacks, show_progress: bool):
+    trials = _Progress(n_trials, show_progress)
     optuna_logger = logging.getLogger("optuna")
     previous_verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our per-trial line replaces Optuna's
@@ -148,14 +156,14 @@ def _optimize(study: optuna.Study, objective, n_trials: int, timeout: float | No
                 n_trials=n_trials,
                 timeout=timeout,
                 catch=(LosslessViolation,),
-                callbacks=[progress, *callbacks],
+                callbacks=[trials, *callbacks],
             )
     finally:
-        progress.close()
+        trials.close()
         optuna.logging.set_verbosity(previous_verbosity)
         with contextlib.suppress(Exception):  # a note is a courtesy; never mask the real error
             write_study_note(study)
-    return progress.this_run
+    return trials.this_run
 
 
 def run_tune(
@@ -169,8 +177,8 @@ def run_tune(
     """Tune until `n_trials` more trials ran in this process, or, without it, until the study
     holds the config's trial budget of finished trials (counted over all workers). An estimated
     study then measures its `confirm_top` best trials for real in the config's measured study.
-    With `deadline` (a `time.monotonic()` instant), no trial starts after it, however long the
-    model load and the cost model's timing took before the first."""
+    With `deadline` (a `progress.clock()` instant), no trial starts after it (one trial runs at
+    least), however long the model load and the cost model's timing took before the first."""
     from hf_selfspec.tuner_api import available_strategies, choose_layouts, decoder_layers, device_profile_key
 
     storage_url = resolve_storage_url(storage_url or config.study.storage)
@@ -205,7 +213,9 @@ def run_tune(
         "do_sample": False,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    prepared, baseline_tps = prepare_prompts(model, tokenizer, prompts, generate_kwargs)
+    prepared, baseline_tps = prepare_prompts(
+        model, tokenizer, progress.counting(prompts, "decoding the prompts plainly", "prompts"), generate_kwargs
+    )
     context = dataclasses.replace(context, baseline_tokens_per_second=baseline_tps)
     if True in config.search.online_corpus:
         learned = save_learned_corpus(model, prepared, cache_root() / "online-corpora" / re.sub(r"[^\w.-]+", "-", measured_name))
@@ -226,9 +236,8 @@ def run_tune(
             objective = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
         timeout = timeout if timeout is not None else config.study.timeout
         if deadline is not None:
-            # At least a moment: Optuna checks its timeout after a trial, so one trial still runs.
-            timeout = min(timeout or math.inf, max(deadline - time.monotonic(), 1.0))
-        this_run = _optimize(study, objective, n_trials, timeout, callbacks, show_progress)
+            callbacks.append(_stop_at(deadline))
+        this_run = _optimize(study, objective, n_trials, timeout, callbacks, show_progress, deadline)
     outcome = TuneOutcome(study, storage_url, this_run)
     if estimated and config.study.confirm_top:
         measuring = SpeedupObjective(model, prepared, config.search, num_layers, generate_kwargs, worker, floor)
@@ -236,6 +245,16 @@ def run_tune(
             storage, measured_name, study, context, config, measuring, show_progress, reprice
         )
     return outcome
+
+
+def _stop_at(deadline: float) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
+    """A callback that stops the study once a trial ends at or after `deadline` (`progress.clock`)."""
+
+    def stop(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if progress.clock() >= deadline:
+            study.stop()
+
+    return stop
 
 
 def _study_context(config: StudyConfig, model, device_key: str, num_layers: int, n_prompts: int) -> StudyContext:
@@ -303,14 +322,18 @@ def _estimating(model, prepared, config: StudyConfig, num_layers: int, generate_
     """The estimated objective with its cost model timed now and kept with the study, its watch
     added to `callbacks`; and the way to reprice a trial at the latest prices."""
     print("Timing the forward passes for the cost model...", flush=True)
-    forced = [teacher_force(model, prompt, config.prompts.max_new_tokens) for prompt in prepared]
+    forced = [
+        teacher_force(model, prompt, config.prompts.max_new_tokens)
+        for prompt in progress.counting(prepared, "teacher-forcing the prompts", "prompts")
+    ]
     max_draft = int(config.search.range_of("max_draft_tokens")[1])
     max_alternatives = int(config.search.range_of("draft_alternatives")[1])
     lookups = ("prompt_lookup_max_tokens", *(("online_corpus_max_tokens",) if True in config.search.online_corpus else ()))
     longest_lookup = int(max(config.search.range_of(name)[1] for name in lookups))
     widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
     objective, cost_watch = estimated_objective(
-        model, forced, config.search, num_layers, widest, generate_kwargs, worker, config.study.category_floor
+        model, forced, config.search, num_layers, widest, generate_kwargs, worker, config.study.category_floor,
+        config.study.calibration_rounds,
     )
     record_cost_model(study, objective.cost)
     callbacks.append(cost_watch)
@@ -358,9 +381,12 @@ def confirm_estimates(
     )
     fixed = [optuna.trial.FixedTrial(trial.params) for trial, _ in pending]
     disable = None if show_progress else True  # None: no bar where stderr is not a terminal
-    with tqdm(total=len(measuring.prompts), unit="prompt", desc="confirming", disable=disable) as bar:
-        outcomes = measuring.measure_side_by_side(fixed, lambda: bar.update(1), config.study.confirm_rounds)
-    progress = _Progress(len(pending), show_progress)
+    with tqdm(total=len(measuring.prompts), unit="prompt", desc="confirming", disable=disable) as bar, \
+            progress.task("confirming", total=len(measuring.prompts), unit="prompts"):
+        outcomes = measuring.measure_side_by_side(
+            fixed, lambda: (bar.update(1), progress.advance()), config.study.confirm_rounds
+        )
+    trials = _Progress(len(pending), show_progress)
     for (estimate, value), trial, outcome in zip(pending, fixed, outcomes, strict=True):
         failed = isinstance(outcome, LosslessViolation)
         repriced = {"estimated_speedup_in_study": estimate.value} if value != estimate.value else {}
@@ -376,8 +402,8 @@ def confirm_estimates(
                 constraints=trial.constraints or None,
             )
         )
-        progress(measured, measured.get_trials(deepcopy=False)[-1])
-    progress.close()
+        trials(measured, measured.get_trials(deepcopy=False)[-1])
+    trials.close()
     write_study_note(measured)
     return measured
 

@@ -20,6 +20,11 @@ from hf_selfspec.tuning.studies.storage import StudyContext
 
 from helpers import REPO_ROOT
 
+# `optimize --budget` minutes for the tiny model: enough for every stage to do some work, and for
+# the held-out confirmation to pay for a prompt after the study on a busy machine (fixed costs, a
+# model load among them, are a large share of each stage on a model this small).
+OPTIMIZE_BUDGET = "2"
+
 
 def write_study_config(
     path: Path,

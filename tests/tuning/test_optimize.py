@@ -12,20 +12,20 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import REPO_ROOT
-from helpers.tuning import cli_command, cli_env, sigkill_when
+from helpers.tuning import OPTIMIZE_BUDGET, cli_command, cli_env, sigkill_when
 
 from hf_selfspec.cli import main
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import read_profiles, read_profiles_file
+from hf_selfspec.tuning import budget as budget_module
 from hf_selfspec.tuning import optimize as optimize_module
+from hf_selfspec.tuning.budget import adapter_plan, adapter_text_tokens, corpus_plan
 from hf_selfspec.tuning.studies.config import load_study_config
 from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
-from hf_selfspec.tuning.optimize import (
-    STAGES, STATE_FILE, STUDY_FILE, WORK_DIR, adapter_plan, adapter_text_tokens, corpus_plan, tune_prompts,
-)
+from hf_selfspec.tuning.optimize import STAGES, STUDY_FILE, tune_prompts
+from hf_selfspec.tuning.optimize_state import STATE_FILE, WORK_DIR, Run
 
-# Minutes: enough on the tiny model for every stage, the adapter included, to do some work.
-BUDGET = "1"
+BUDGET = OPTIMIZE_BUDGET
 
 
 
@@ -253,10 +253,10 @@ def test_budgets_size_the_corpus_and_the_adapter():
     steps, reason = adapter_plan(5, 0.5, (1, 4))
     assert steps == 0 and "skipped" in reason and "--budget" in reason
     steps, reason = adapter_plan(600, 0.1, (1, 4))
-    assert steps >= optimize_module.MIN_ADAPTER_STEPS and "0.10 s" in reason
+    assert steps >= budget_module.MIN_ADAPTER_STEPS and "0.10 s" in reason
     # A step that costs a tenth as much pays for ten times the steps, up to the cap.
     assert adapter_plan(15, 0.01, (1,))[0] == 10 * adapter_plan(15, 0.1, (1,))[0] == 1000
-    assert 0 < adapter_text_tokens(10, 0.5) < adapter_text_tokens(600, 0.5) <= optimize_module._MAX_STDLIB_TOKENS
+    assert 0 < adapter_text_tokens(10, 0.5) < adapter_text_tokens(600, 0.5) <= budget_module._MAX_STDLIB_TOKENS
 
 
 def test_tune_with_a_model_and_no_study_file(tiny_llama_dir, tmp_path, capsys, one_thread):
@@ -278,12 +278,12 @@ def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monk
     that a slow machine cannot spend it in the stages before), the adapter stage trains the
     derived exit layers and the study chooses among them; stopped before confirming, to stay short."""
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
-    share = optimize_module._Run.share
-    monkeypatch.setattr(optimize_module._Run, "share",
+    share = Run.share
+    monkeypatch.setattr(Run, "share",
                         lambda run, stage: 60.0 if stage == "adapter" else share(run, stage))
-    monkeypatch.setattr(optimize_module, "MIN_ADAPTER_STEPS", 1)
-    monkeypatch.setattr(optimize_module, "_MAX_ADAPTER_STEPS", 2)
-    monkeypatch.setattr(optimize_module, "_MAX_STDLIB_TOKENS", 2048)
+    monkeypatch.setattr(budget_module, "MIN_ADAPTER_STEPS", 1)
+    monkeypatch.setattr(budget_module, "_MAX_ADAPTER_STEPS", 2)
+    monkeypatch.setattr(budget_module, "_MAX_STDLIB_TOKENS", 2048)
 
     def stop(run):
         raise KeyboardInterrupt

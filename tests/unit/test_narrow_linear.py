@@ -132,6 +132,23 @@ def test_layers_whose_copies_would_not_fit_are_never_packed(monkeypatch):
     assert asked[2:] == [True, True]
 
 
+def test_a_model_whose_copies_would_not_fit_says_so_once_and_copies_nothing(monkeypatch, caplog):
+    """Where free memory holds no packed copy of a model's weights, the first verification says
+    so (once in the process, however many models follow) and no layer is packed."""
+    monkeypatch.setattr(narrow_linear, "_SAID_NO_ROOM", [])
+    monkeypatch.setattr(narrow_linear, "fastest_layout", lambda weight, band, packable=False: PACKED if packable else STOCK)
+    models = [TwoLinears(), TwoLinears()]
+    weights = sum(layer.weight.numel() * layer.weight.element_size() for layer in (models[0].first, models[0].second))
+    monkeypatch.setattr(narrow_linear, "available_memory", lambda: weights)  # half of it would not do
+    with caplog.at_level("WARNING", logger=narrow_linear.__name__):
+        for model in models:
+            with torch.no_grad(), verifying(model):
+                model(torch.randn(1, 3, 16))
+    said = [record.getMessage() for record in caplog.records if "would not fit" in record.getMessage()]
+    assert len(said) == 1 and "packed copies" in said[0]
+    assert not any(layer in narrow_linear._PACKED for model in models for layer in (model.first, model.second))
+
+
 def test_a_dtype_oneDNN_cannot_pack_is_timed_on_the_other_kernels(monkeypatch):
     monkeypatch.setattr(narrow_linear, "_FASTEST", {})
     weight = torch.randn(24, 16, dtype=torch.float64)

@@ -32,15 +32,16 @@ from hf_selfspec.tuner_api import (
     verifying,
 )
 
+from .. import progress
+from ..studies.config import StudySettings
 from .prices import CostModel, verification_knots, verification_prices
 from .teacher_forcing import TeacherForcedPrompt, verifier_forward
 from .timing import Timer, device_timer, interleaved_timings, typical_seconds
 
-# Draft steps timed per calibration point, and rounds of the interleaved timing. A typical time
-# (`typical_seconds`), not the minimum: the estimate must match what decoding pays, not the
+# Draft steps timed per calibration point. A typical time (`typical_seconds`) over the rounds of
+# the interleaved timing, not the minimum: the estimate must match what decoding pays, not the
 # machine's best moment.
 _CALIBRATION_TOKENS = 6
-_CALIBRATION_ROUNDS = 7
 # The verifier is timed at a few widths (`verification_knots`), each this many times a round: on a
 # busy machine one forward pass may take several times another of the same width, and a price
 # between two widths rests on both of their typical times.
@@ -76,6 +77,7 @@ def calibrate(
     timer: Timer | None = None,
     generate_kwargs: Mapping[str, Any] = {},
     verified_after: Sequence[TeacherForcedPrompt] = (),
+    rounds: int = StudySettings.calibration_rounds,
 ) -> CostModel:
     """Time the verifier at a few widths (`verification_knots`, priced between them by
     `verification_prices`), the draft at a few skip sets, the LM head, each trained adapter's
@@ -121,7 +123,8 @@ def calibrate(
         **_draft_runs(model, sample, num_layers, draft_adapters),
         **_plain_runs(model, sample, generate_kwargs, plain_forwards, verifier_forwards),
     }
-    timings = interleaved_timings(runs, _CALIBRATION_ROUNDS, timer)
+    with progress.task("timing the cost model", total=rounds * len(runs), unit="timed runs"):
+        timings = interleaved_timings(runs, rounds, progress.counted(timer))
     seconds = {name: typical_seconds(timed) for name, timed in timings.items()}
     widths = {
         width: typical_seconds(
@@ -289,7 +292,7 @@ def calibrate_loop(
     as overhead and be charged to every step of every trial."""
     params = resolve_params(cost.num_layers, _LOOP_PROBE)
     outside = priced = timed_forwards = steps = 0.0
-    for data in prompts:
+    for data in progress.counting(prompts, "timing the decoding loop", "prompts"):
         with forward_timings(model) as forwards:
             run = timed_generate(
                 model, data.prompt.inputs, strategy="self_speculative", **params.as_dict(), **generate_kwargs

@@ -11,7 +11,7 @@ import optuna
 from hf_selfspec.tuner_api import online_corpus, resolve_params
 
 from ..studies.categories import CategorySpeedups
-from ..studies.config import SearchConfig
+from ..studies.config import SearchConfig, StudySettings
 from ..studies.objective import begin_trial, fresh_corpus_key
 from .calibration import calibrate, calibrate_loop, verification_runs
 from .drift import CostModelWatch
@@ -82,6 +82,7 @@ def estimated_objective(
     generate_kwargs: dict[str, Any],
     worker: str,
     category_floor: float | None = None,
+    rounds: int = StudySettings.calibration_rounds,
 ) -> tuple[EstimatedSpeedupObjective, CostModelWatch]:
     """The estimated objective with its cost model timed for `prompts`, and the callback that
     re-checks that cost model during the study (to pass to `study.optimize`)."""
@@ -89,7 +90,7 @@ def estimated_objective(
     def time_cost_model() -> CostModel:
         return calibrate(
             model, prompts[0], num_layers, max_verify_tokens, search.draft_adapters.values(),
-            generate_kwargs=generate_kwargs, verified_after=prompts,
+            generate_kwargs=generate_kwargs, verified_after=prompts, rounds=rounds,
         )
 
     cost = calibrate_loop(model, time_cost_model(), prompts, generate_kwargs)

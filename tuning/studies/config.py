@@ -84,6 +84,8 @@ class StudySettings:
     confirm_top: int = 3
     # How many times confirmation decodes each prompt, plainly and by each confirmed trial.
     confirm_rounds: int = 1
+    # With `estimated`: the rounds the cost model is timed in; fewer where a step is costly.
+    calibration_rounds: int = 7
     # A trial whose speedup in any category of its prompts is below this is infeasible.
     category_floor: float | None = None
 
@@ -320,6 +322,7 @@ def _study(reader: TomlReader) -> StudySettings:
         objective=reader.choice(table, "study", "objective", OBJECTIVES, defaults.objective),
         confirm_top=reader.at_least(table, "study", "confirm_top", 0, defaults.confirm_top),
         confirm_rounds=reader.at_least(table, "study", "confirm_rounds", 1, defaults.confirm_rounds),
+        calibration_rounds=reader.at_least(table, "study", "calibration_rounds", 1, defaults.calibration_rounds),
         category_floor=reader.get(table, "study", "category_floor", (int, float), None),
     )
     if settings.category_floor is not None and settings.category_floor <= 0:

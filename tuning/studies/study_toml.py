@@ -71,7 +71,8 @@ def study_toml(config: StudyConfig, path: Path) -> str:
         "search": search_entries,
         "study": {"name": study.name, "storage": study.storage, "sampler": study.sampler, "seed": study.seed,
                   "n_trials": study.n_trials, "timeout": study.timeout, "objective": study.objective,
-                  "confirm_top": study.confirm_top, "confirm_rounds": study.confirm_rounds},
+                  "confirm_top": study.confirm_top, "confirm_rounds": study.confirm_rounds,
+                  "calibration_rounds": study.calibration_rounds},
     })
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import progress
+
 # Wider batches generate more tokens a second on a CPU until the matrix products saturate it;
 # with prompts sorted by length a batch of 128 rows also beats two of 64.
 GENERATION_BATCH = 128
@@ -47,7 +49,8 @@ def generated_texts(
     done = done if by_length[: len(done)] == [text[: len(p)] for p, text in zip(by_length, done)] else []
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = range(len(done), len(by_length), GENERATION_BATCH)
-    for start in tqdm(batches, desc=description, unit="batch", disable=None if show_progress else True):
+    bar = tqdm(batches, desc=description, unit="batch", disable=None if show_progress else True)
+    for start in progress.counting(bar, description, "batches"):
         batch = by_length[start : start + GENERATION_BATCH]
         input_ids, attention_mask = padded_batch(batch, pad_id, model.device)
         with torch.no_grad():

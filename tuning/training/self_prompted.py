@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 from hf_selfspec.tuner_api import WORKLOAD_CATEGORIES, cache_root
 
 from .. import TuningError
+from .. import progress as progress_lines
 from .evaluation_texts import EvaluationOverlap, evaluation_texts
 from . import model_text
 from .model_text import atomic_save, generated_texts, padded_batch
@@ -195,7 +196,9 @@ def _next_candidates(progress: _Progress, corpus: SelfPromptedRecipe, tokenizer,
     widest prompt, and passages of hundreds of tokens among one-line openings would make padding
     most of a batch's work. The kind further from its quotas (as a share of them) goes next. Once
     candidates have been judged, a batch is sized to what is missing at the acceptance seen so far
-    (with a margin), so the last requests do not cost a full batch.
+    (with a margin), so the last requests do not cost a full batch; and no batch draws past the
+    candidates the recipe allows in all (the first, judged on nothing yet, included: a large
+    model sampling a full batch for one request spent minutes on candidates it never needed).
     """
     quotas = _quotas(corpus)
     kept = collections.Counter(request.task_seed for request in progress.requests)
@@ -210,7 +213,7 @@ def _next_candidates(progress: _Progress, corpus: SelfPromptedRecipe, tokenizer,
     names = kinds[max(sorted(kinds), key=shortfall)]
     missing = sum(quotas[n] - kept[n] for n in names)
     drawn = sum(progress.drawn.values())
-    size = model_text.GENERATION_BATCH
+    size = min(model_text.GENERATION_BATCH, corpus.self_prompted * _MAX_CANDIDATES_PER_REQUEST - drawn)
     if drawn:
         rate = max(len(progress.requests) / drawn, 1 / _MAX_CANDIDATES_PER_REQUEST)
         size = min(size, math.ceil(1.25 * missing / rate))
@@ -300,23 +303,25 @@ def sample_requests(model, tokenizer, corpus: SelfPromptedRecipe, turn: UserTurn
     most = corpus.self_prompted * _MAX_CANDIDATES_PER_REQUEST
     bar = tqdm(total=corpus.self_prompted, initial=len(progress.requests), desc="sampling requests", unit="request",
                disable=None if show_progress else True)
-    while len(progress.requests) < corpus.self_prompted and sum(progress.drawn.values()) < most:
-        candidates = _next_candidates(progress, corpus, tokenizer, turn, passage_texts)
-        rows = _sample_batch(model, [candidate.prompt for candidate in candidates], corpus, turn, pad_id, progress.batches)
-        kept = collections.Counter(request.task_seed for request in progress.requests)
-        for candidate, sampled in zip(candidates, rows):
-            progress.drawn[candidate.task_seed] += 1
-            reason = _rejection(tokenizer, candidate, sampled, special, overlap, seen)
-            if reason:
-                progress.dropped[reason] += 1
-            elif kept[candidate.task_seed] < quotas[candidate.task_seed]:
-                request = (candidate.before + candidate.opening + tokenizer.decode(sampled)).strip()
-                seen.add(_key(request))
-                kept[candidate.task_seed] += 1
-                progress.requests.append(Request(candidate.task_seed, request))
-                bar.update(1)
-        progress.batches += 1
-        progress.save(cache_file)
+    with progress_lines.task("sampling requests", total=most - sum(progress.drawn.values()), unit="candidates at most"):
+        while len(progress.requests) < corpus.self_prompted and sum(progress.drawn.values()) < most:
+            candidates = _next_candidates(progress, corpus, tokenizer, turn, passage_texts)
+            rows = _sample_batch(model, [candidate.prompt for candidate in candidates], corpus, turn, pad_id, progress.batches)
+            kept = collections.Counter(request.task_seed for request in progress.requests)
+            for candidate, sampled in zip(candidates, rows):
+                progress.drawn[candidate.task_seed] += 1
+                progress_lines.advance()
+                reason = _rejection(tokenizer, candidate, sampled, special, overlap, seen)
+                if reason:
+                    progress.dropped[reason] += 1
+                elif kept[candidate.task_seed] < quotas[candidate.task_seed]:
+                    request = (candidate.before + candidate.opening + tokenizer.decode(sampled)).strip()
+                    seen.add(_key(request))
+                    kept[candidate.task_seed] += 1
+                    progress.requests.append(Request(candidate.task_seed, request))
+                    bar.update(1)
+            progress.batches += 1
+            progress.save(cache_file)
     bar.close()
     if len(progress.requests) < corpus.self_prompted:
         logger.warning("sampled %d usable requests of the %d asked for in %d candidates", len(progress.requests),

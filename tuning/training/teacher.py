@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from hf_selfspec.tuner_api import decoder_layers
 
+from .. import progress
 from .model_text import atomic_save
 
 TEACHER_BATCH = 8
@@ -46,7 +47,9 @@ def teacher_outputs(model, chunks: torch.Tensor, exit_layers: tuple[int, ...], c
     ]
     final = []
     try:
-        for batch in tqdm(chunks.split(TEACHER_BATCH), desc="teacher pass", unit="batch", disable=None if show_progress else True):
+        batches = chunks.split(TEACHER_BATCH)
+        bar = tqdm(batches, desc="teacher pass", unit="batch", disable=None if show_progress else True)
+        for batch in progress.counting(bar, "teacher pass", "batches"):
             final.append(model.get_decoder()(input_ids=batch.to(model.device), use_cache=False).last_hidden_state.cpu())
     finally:
         for hook in hooks:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from hf_selfspec.tuner_api import AdapterShape, DraftAdapter, save_adapter, timed
 
+from .. import progress
 from .model_text import atomic_save
 from .teacher import TEACHER_BATCH, TeacherOutputs
 
@@ -186,20 +187,22 @@ def train_exit_layer(
 
     bar = tqdm(total=training.steps, initial=step, desc=f"exit layer {exit_layer}", unit="step",
                disable=None if show_progress else True)
-    while step < training.steps:
-        batch = _batch_indices(train_count, step, training.batch_chunks, training.seed)
-        loss_value = distillation_step(model, adapter, head, optimizer, shallow[batch], targets(batch), positions)
-        step += 1
-        if step % training.eval_every == 0 or step == training.steps:
-            adapter.eval()
-            agreement = heldout_agreement(adapter, head, shallow[train_count:], final[train_count:])
-            adapter.train()
-            logger.info("exit layer %d, step %d: loss %.4f, held-out top-1 agreement %.4f", exit_layer, step, loss_value, agreement)
-        if step % training.checkpoint_every == 0 or step == training.steps:
-            atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                          "agreement": agreement}, checkpoint)
-        bar.set_postfix(loss=f"{loss_value:.3f}", heldout_top1=f"{agreement:.3f}")
-        bar.update(1)
+    with progress.task(f"training exit layer {exit_layer}", total=training.steps - step, unit="steps"):
+        while step < training.steps:
+            batch = _batch_indices(train_count, step, training.batch_chunks, training.seed)
+            loss_value = distillation_step(model, adapter, head, optimizer, shallow[batch], targets(batch), positions)
+            step += 1
+            if step % training.eval_every == 0 or step == training.steps:
+                adapter.eval()
+                agreement = heldout_agreement(adapter, head, shallow[train_count:], final[train_count:])
+                adapter.train()
+                logger.info("exit layer %d, step %d: loss %.4f, held-out top-1 agreement %.4f", exit_layer, step, loss_value, agreement)
+            if step % training.checkpoint_every == 0 or step == training.steps:
+                atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                              "agreement": agreement}, checkpoint)
+            bar.set_postfix(loss=f"{loss_value:.3f}", heldout_top1=f"{agreement:.3f}")
+            bar.update(1)
+            progress.advance()
     bar.close()
     path = save_adapter(adapter, output, dtype=model.dtype)
     return path, agreement

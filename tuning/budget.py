@@ -1,0 +1,165 @@
+"""Sizing the tuner's stages from what one plain step of the model costs here, and from the time
+left: how many requests the model writes for its corpus, how many steps an adapter trains, how
+many rounds the cost model is timed in, how many tokens the tune prompts decode, how many
+held-out prompts confirmation decodes; and whether a stage can pay back at all.
+
+A model of 135M parameters and one of 3B differ twentyfold in their step, and every stage's work
+is counted in steps: sized for the small one, the large one's stages overran a budget many times
+over. Each plan here says, when the stage cannot run in the time it has, why not, in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .progress import minutes
+
+# Each stage's share of an `optimize` budget; the tuner takes whatever the others leave.
+SHARES = {"measure": 0.05, "corpus": 0.15, "adapter": 0.25, "confirm": 0.15}
+
+# Tokens per self-prompted request and answer, and per continued function. A request kept costs
+# several sampled candidates (some run out of tokens unfinished, some are judged unusable).
+REQUEST_TOKENS, ANSWER_TOKENS, CONTINUATION_TOKENS = 64, 128, 128
+CANDIDATES_PER_REQUEST = 4
+CHUNK_TOKENS, BATCH_CHUNKS = 256, 4
+MIN_ADAPTER_STEPS = 100
+_MAX_ADAPTER_STEPS = 2000
+_MAX_STDLIB_TOKENS = 100_000
+# The cost model's timing rounds, most to fewest: fewer rounds let a burst of load move a price
+# more, so a study takes as many as its time pays for, down to the fewest a typical value needs.
+CALIBRATION_ROUNDS = (7, 5, 3)
+# New tokens per tune prompt, most to fewest: fewer judge each trial on less text.
+TUNE_NEW_TOKENS = (64, 32)
+# Trials below which a study cannot tell a good draft from its warm start.
+MIN_TRIALS = 5
+# The cost model's timed runs besides the verifications (`calibration`): three drafts of six
+# tokens, a prefill, and two plain decodes of the sample's reference.
+_CALIBRATION_DRAFT_STEPS = 18
+_CALIBRATION_WIDTHS = 5  # verification knots timed in a round, each three times
+_CALIBRATION_TIMINGS_PER_WIDTH = 3
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What the model's forward passes cost here, as the measure stage timed them."""
+
+    step: float  # a plain decoding step
+    widest: float  # the widest verification timed
+
+    @classmethod
+    def of(cls, seconds_per_token: float, verify_seconds: Mapping[int, float]) -> StepCosts:
+        return cls(seconds_per_token, max([seconds_per_token, *verify_seconds.values()]))
+
+    def decode(self, tokens: int) -> float:
+        return tokens * self.step
+
+
+def corpus_plan(seconds: float, seconds_per_token: float, chat: bool = True) -> dict[str, int] | str:
+    """The [corpus] counts that make the model write for about `seconds`: half on standard-library
+    functions it continues (code), half on conversations it prompts itself (the workload's kinds
+    of text). A model without a chat template cannot be prompted into a conversation, so that
+    half goes to pieces of standard-library text it continues instead. Where `seconds` pay for
+    less than one of either, why the corpus is skipped."""
+    request = (ANSWER_TOKENS + CANDIDATES_PER_REQUEST * REQUEST_TOKENS) if chat else CONTINUATION_TOKENS
+    half = seconds / 2 / seconds_per_token  # tokens the model writes in half the time
+    # The smallest corpus: one request, its candidates sampled side by side in one batch, and its
+    # answer (or one continuation), and as much code.
+    smallest = (REQUEST_TOKENS + ANSWER_TOKENS) if chat else CONTINUATION_TOKENS
+    if half < smallest:
+        return (f"skipped: {minutes(seconds)} pays for {2 * half:.0f} tokens at {seconds_per_token:.2f} s each, and "
+                f"the smallest corpus ({'one request and its answer' if chat else 'one continuation'}, and as much "
+                f"code) takes {2 * smallest}; give a larger --budget")
+    if chat:
+        plan = {"self_prompted": max(1, int(half / request)), "max_request_tokens": REQUEST_TOKENS,
+                "answer_tokens": ANSWER_TOKENS}
+    else:
+        plan = {"stdlib_prompts": max(1, int(half / CONTINUATION_TOKENS))}
+    plan["stdlib_functions"] = max(1, int(half / CONTINUATION_TOKENS))
+    plan["generated_tokens"] = CONTINUATION_TOKENS
+    return plan
+
+
+def adapter_text_tokens(seconds: float, batch_forward_seconds: float) -> int:
+    """Standard-library tokens whose teacher pass takes a third of the adapter stage's `seconds`."""
+    return min(_MAX_STDLIB_TOKENS, int(seconds / 3 / batch_forward_seconds * CHUNK_TOKENS * BATCH_CHUNKS))
+
+
+def adapter_plan(seconds: float, step_seconds: float, exit_layers: tuple[int, ...]) -> tuple[int, str]:
+    """Training steps per exit layer that fit in two thirds of `seconds` (the rest is the teacher's
+    pass over the corpus) at `step_seconds` a step, or 0 and why not."""
+    steps = min(_MAX_ADAPTER_STEPS, int(seconds * 2 / 3 / step_seconds / len(exit_layers)))
+    if steps < MIN_ADAPTER_STEPS:
+        return 0, (
+            f"skipped: {minutes(seconds)} pays for {steps} training steps per exit layer "
+            f"({step_seconds:.2f} s each), fewer than the {MIN_ADAPTER_STEPS} an adapter needs; give a larger --budget"
+        )
+    return steps, f"{steps} steps per exit layer ({step_seconds:.2f} s each)"
+
+
+@dataclass(frozen=True)
+class TunePlan:
+    """A study's size: its prompts' new tokens and the cost model's rounds, and what its parts cost."""
+
+    max_new_tokens: int
+    calibration_rounds: int
+    before_trials: float  # reference decodes, teacher forcing and the cost model's timing
+    trial: float
+    confirmation: float  # the best estimates decoded beside plain, after the trials
+
+    @property
+    def least(self) -> float:
+        """The stage at its smallest: everything but the trials, and `MIN_TRIALS` of them."""
+        return self.before_trials + MIN_TRIALS * self.trial + self.confirmation
+
+
+def tune_costs(
+    costs: StepCosts, prompts: int, max_new_tokens: int, rounds: int, confirm_top: int, confirm_rounds: int
+) -> TunePlan:
+    """What an estimated study of `prompts` prompts costs, part by part, in the model's steps:
+    a plain reference decode of each, its teacher-forced pass, the cost model's timing (`rounds`
+    rounds of verifications, drafts and two plain decodes) and the loop's calibration (a decode of
+    each prompt); per trial a draft pass over each prompt's text; and the confirmation of the
+    `confirm_top` best, each decoded beside plain `confirm_rounds` times."""
+    decode = costs.decode(max_new_tokens)
+    text_pass = costs.widest * max(1, max_new_tokens // 32)
+    verifications = _CALIBRATION_WIDTHS * _CALIBRATION_TIMINGS_PER_WIDTH * costs.widest
+    calibration = rounds * (verifications + costs.decode(_CALIBRATION_DRAFT_STEPS) + 2 * decode + text_pass)
+    return TunePlan(
+        max_new_tokens=max_new_tokens,
+        calibration_rounds=rounds,
+        before_trials=prompts * (2 * decode + text_pass) + calibration,
+        trial=prompts * text_pass,
+        confirmation=(confirm_top + 1) * confirm_rounds * prompts * decode,
+    )
+
+
+def plan_tune(
+    seconds: float, costs: StepCosts, prompts: int, confirm_top: int, confirm_rounds: int = 1,
+    new_tokens: tuple[int, ...] = TUNE_NEW_TOKENS,
+) -> TunePlan | str:
+    """The largest study (most new tokens, then most timing rounds) whose least (`TunePlan.least`)
+    fits in `seconds`; or, where the smallest does not, why the stage is skipped."""
+    plans = [
+        tune_costs(costs, prompts, tokens, rounds, confirm_top, confirm_rounds)
+        for tokens in new_tokens for rounds in CALIBRATION_ROUNDS
+    ]
+    fitting = next((plan for plan in plans if plan.least <= seconds), None)
+    if fitting is not None:
+        return fitting
+    return (f"skipped: {minutes(seconds)} left, and a study of {prompts} prompt(s) needs at least "
+            f"{minutes(plans[-1].least)} here ({costs.step:.2f} s a token); give a larger --budget")
+
+
+def confirm_prompts(seconds: float, costs: StepCosts, per_prompt_decodes: int, max_new_tokens: int,
+                    categories: int, most_per_category: int) -> tuple[int, str]:
+    """Held-out prompts a confirmation decoding each `per_prompt_decodes` times fits in `seconds`
+    (as many per category as pay, up to `most_per_category`; where not one per category pays,
+    the first categories' one each), or 0 and why it is skipped."""
+    per_prompt = per_prompt_decodes * costs.decode(max_new_tokens)
+    affordable = int(seconds / per_prompt)
+    if not affordable:
+        return 0, (f"skipped: one held-out prompt costs {minutes(per_prompt)} here, {minutes(seconds)} are left; "
+                   "the profile is the best trial measured on the tune prompts")
+    count = min(affordable, categories * most_per_category)
+    return count, f"{count} held-out prompt(s), about {minutes(count * per_prompt)}"
