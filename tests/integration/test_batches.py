@@ -258,3 +258,40 @@ def test_a_bad_attention_mask_gets_one_clear_line(llama, case):
                        pad_token_id=PAD)
     message = str(raised.value)
     assert len(message.splitlines()) == 1 and "attention_mask" in message and phrase in message, message
+
+
+def test_a_batch_larger_than_max_batch_size_decodes_plainly(llama):
+    from hf_selfspec.profiles import PROFILE_KEY
+
+    profile = {"strategy": "self_speculative", "params": {"max_batch_size": 2, "draft_exit_threshold": 0.0}}
+    setattr(llama.generation_config, PROFILE_KEY, {"cpu/float32": profile})
+    try:
+        for rows, speculates in ((1, True), (2, True), (3, False)):
+            input_ids, attention_mask = ragged_batch(96, rows)
+            output = llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
+                                    pad_token_id=PAD, return_dict_in_generate=True)
+            assert isinstance(output, hf_selfspec.SelfSpecGenerateOutput) == speculates, rows
+        input_ids, attention_mask = ragged_batch(96, 3)
+        explicit = llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
+                                  pad_token_id=PAD, return_dict_in_generate=True, strategy="self_speculative",
+                                  max_batch_size=3)
+        assert isinstance(explicit, hf_selfspec.SelfSpecGenerateOutput)
+    finally:
+        delattr(llama.generation_config, PROFILE_KEY)
+
+
+def test_the_quorum_shortens_a_batchs_proposals_and_a_batch_of_one_keeps_its_own(llama):
+    """With a quorum of half the rows, a step proposes only as far as half its rows' proposals
+    reach: fewer tokens drafted than with no quorum, the same rows."""
+    input_ids, attention_mask = ragged_batch(96, 8)
+    drafted = {}
+    for quorum in (0.0, 0.5):
+        output, _ = assert_same_batched_greedy(llama, input_ids, attention_mask, batch_quorum=quorum,
+                                               prompt_lookup_tokens=4, prompt_lookup_min_ngram=1, draft_exit_threshold=0.0,
+                                               backoff_probe_interval=0)
+        drafted[quorum] = output.strategy_stats.drafted_tokens
+    assert 0 < drafted[0.5] < drafted[0.0]
+    one = {quorum: assert_same_batched_greedy(llama, input_ids[:1], attention_mask[:1], batch_quorum=quorum,
+                                              draft_exit_threshold=0.0)[0].strategy_stats.drafted_tokens
+           for quorum in (0.0, 1.0)}
+    assert one[0.0] == one[1.0] > 0
