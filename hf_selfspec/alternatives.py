@@ -33,15 +33,15 @@ def verification_inputs(
     model: nn.Module,
     cache: DraftAwareCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | dict[str, torch.Tensor] | None]:
-    """`(input_ids, position_ids, attention_mask)` for verifying the text from `kv_length` to
+    """`(input_ids, position_ids, attention_mask)` for verifying the one text from `kv_length` to
     the end of the `drafted` tokens written at `committed_length`, followed by the alternatives,
-    into `cache`. The mask is None without alternatives: the model's own causal mask is the
-    right one."""
+    into `cache`. Without alternatives the mask is the cache's padding mask (None without
+    padding): the model's own causal mask is the right one."""
     end = committed_length + drafted
     input_ids, position_ids = sequence[:, kv_length:end], positions[:, kv_length:end]
     branches = alternative_rows(alternatives)
     if not branches:
-        return input_ids, position_ids, None
+        return input_ids, position_ids, None if cache is None else cache.padding_mask(end, sequence.device)
     branch_positions = torch.tensor([committed_length + index for index, _ in branches], device=sequence.device)
     input_ids = torch.cat([input_ids, torch.tensor([[token for _, token in branches]], device=sequence.device)], dim=1)
     position_ids = torch.cat([position_ids, branch_positions[None]], dim=1)
@@ -54,6 +54,8 @@ def verification_inputs(
     branch_rows = torch.arange(chain, rows, device=sequence.device)[:, None]
     visible_from_branch = (keys < branch_positions[:, None]) | (keys == kv_length + branch_rows)
     visible = torch.cat([visible_from_chain, visible_from_branch])
+    if cache is not None and cache.starts is not None:
+        visible[:, : cache.starts[0]] = False  # the prompt's left padding
     key_positions = torch.cat([positions[0, :kv_length], position_ids[0]])
     sliding_keys = None if cache is None else cache.sliding_keys(rows)
     mask = model_attention_mask(model.config, visible, position_ids[0], key_positions, model.dtype, sliding_keys)

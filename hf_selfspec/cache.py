@@ -8,6 +8,12 @@ A verification that accepts one of the draft's alternatives (`alternatives.py`) 
 past the chain; it moves to the place of the draft token it replaced before the rollback. A
 sliding-window layer holds only the newest keys, so entries are found by counting from the end.
 
+A batch keeps every row right-aligned, as plain `generate`'s left padding does: each row's text
+ends at the cache's last column, and the columns before its first token are padding, masked out
+(`starts`, `padding_mask`). After each verification the rows that committed fewer tokens than
+the most move right by the difference (`realign`), so that a key's distance in columns stays its
+distance in tokens, which a sliding window counts.
+
 `generate` hands the loop a cache, the caller's own or one transformers made; the loop works in
 that cache's layer objects (`rollback_view`), so the caller gets them back holding the decoded
 text's KV, as plain decoding leaves them, and a chat can continue from them.
@@ -21,6 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
 
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
@@ -46,6 +55,74 @@ def cache_given_to(generate_kwargs: dict) -> Cache | None:
 ROLLBACK_CAPABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
+@dataclass(frozen=True)
+class Realignment:
+    """How a step of a batch leaves its rows' KV: row `r`'s entries move `shifts[r]` columns
+    right (none where `shifts` is empty), every row is cut to `kv_length` columns, only
+    `kept_rows` stay (all where None), and the first `dropped_columns` columns, padding in every
+    row kept, go. A batch of one only rolls back: nothing else moves."""
+
+    kv_length: int
+    shifts: tuple[int, ...] = ()
+    kept_rows: tuple[int, ...] | None = None
+    dropped_columns: int = 0
+
+    @property
+    def moves_rows(self) -> bool:
+        return any(self.shifts) or self.kept_rows is not None or self.dropped_columns > 0
+
+    def realign_starts(self, starts: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """Each kept row's first column of text after the move, from each row's before it (None:
+        no row has padding)."""
+        if not self.moves_rows or (starts is None and not any(self.shifts)):
+            return starts
+        before = starts or (0,) * len(self.shifts)
+        moved = [start + shift for start, shift in zip(before, self.shifts or (0,) * len(before))]
+        kept = moved if self.kept_rows is None else [moved[row] for row in self.kept_rows]
+        kept = tuple(start - self.dropped_columns for start in kept)
+        return kept if any(kept) else None
+
+
+def shift_rows(layers, shifts: tuple[int, ...]) -> None:
+    """Move each row's entries `shifts[row]` columns right in every layer, over the entries the
+    layer holds (a window's recorded past included): what falls off the end is the row's
+    rejected draft, and the columns opened at the start hold copies, as padding."""
+    if not any(shifts):
+        return
+    for layer in layers:
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        held = layer.keys.shape[-2]
+        by = torch.tensor(shifts, device=layer.keys.device)[:, None]
+        index = (torch.arange(held, device=layer.keys.device)[None, :] - by).clamp(min=0)
+        index = index[:, None, :, None].expand_as(layer.keys)
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+
+def drop_columns(layers, columns: int) -> None:
+    """Drop the first `columns` columns of every layer (padding in every row)."""
+    if columns <= 0:
+        return
+    for layer in layers:
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        if layer.is_sliding:  # it holds only the newest of its columns, counted in `cumulative_length`
+            layer.cumulative_length -= columns
+            keep = min(layer.keys.shape[-2], layer.cumulative_length)
+        else:
+            keep = layer.keys.shape[-2] - columns
+        first = layer.keys.shape[-2] - keep
+        layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+
+
+def keep_rows(layers, rows: tuple[int, ...] | None) -> None:
+    if rows is None:
+        return
+    for layer in layers:
+        if layer.is_initialized and layer.keys.numel():
+            layer.batch_select_indices(torch.tensor(rows, device=layer.keys.device))
+
+
 class DraftAwareCache(DynamicCache):
     def __init__(self, config=None):
         # Without the model's config every layer keeps every key, sliding-window layers too: for
@@ -55,6 +132,24 @@ class DraftAwareCache(DynamicCache):
         # Sliding-window layers normally drop what falls out of the window; keeping it until the
         # next rollback is what makes rejected drafts undoable once the text outgrows the window.
         self.activate_past_recording()
+        # Per row, the first column holding its text; None where every row's starts at column 0.
+        self.starts: tuple[int, ...] | None = None
+
+    def padding_mask(self, width: int, device: torch.device) -> torch.Tensor | None:
+        """The 2-D attention mask `[rows, width]` over the first `width` columns: 0 on each row's
+        padding. None without padding, as plain `generate` passes none then."""
+        if self.starts is None:
+            return None
+        columns = torch.arange(width, device=device)[None, :]
+        return (columns >= torch.tensor(self.starts, device=device)[:, None]).long()
+
+    def realign(self, realignment: Realignment) -> None:
+        """Leave the rows as `realignment` says, rolled back to its `kv_length` columns."""
+        shift_rows(self.layers, realignment.shifts)
+        self.rollback(realignment.kv_length)
+        keep_rows(self.layers, realignment.kept_rows)
+        drop_columns(self.layers, realignment.dropped_columns)
+        self.starts = realignment.realign_starts(self.starts)
 
     def sliding_keys(self, query_length: int) -> int | None:
         """How many keys a sliding-window layer attends over with `query_length` new ones: those

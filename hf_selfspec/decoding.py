@@ -1,11 +1,12 @@
-"""The speculative decoding loop: draft, verify, accept, roll back.
+"""The speculative decoding loop: draft, verify, accept, roll back, for one text or a batch.
 
 Positions are explicit and the sequence lives in one preallocated buffer, so a step allocates
 nothing it does not have to. The prompt's prefill is simply the first verification, of whatever
 can be proposed without a forward pass (as transformers' assisted decoding does). A cache that
 arrives holding the prompt's first tokens (a chat's earlier turns) is continued: the prefill
 covers the rest. Each verification's outcome is one record (`StepOutcome`), which every part
-that adapts learns from.
+that adapts learns from. A batch runs the same loop, each row drafting, verified and committed on
+its own in every step's one forward pass (`batch.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteriaList
 
-from .alternatives import verification_inputs
+from .batch import Batch, Row, within_quorum
 from .cache import DraftAwareCache, cache_keyword
 from .decoding_types import DecodingState, Draft, Drafter, ExitPolicy, StepOutcome, Verdict
 from .lookup import PromptLookup
@@ -29,47 +30,94 @@ from .stats import StrategyStats
 from .verifier import verify
 
 
+class ModelDraft(Draft):
+    """A row's proposal that the model is to draft, of at most `max_tokens` tokens: a batch's
+    rows draft together, once every row has said what it proposes."""
+
+    def __init__(self, max_tokens: int):
+        super().__init__()
+        self.max_tokens = max_tokens
+
+
+@dataclass
+class RowParts:
+    """What decides one text's proposals, each row of a batch having its own: when the model's
+    draft stops, whether the model drafts, and prompt lookup's sources (None: no lookup)."""
+
+    exit_policy: ExitPolicy
+    gate: Gate
+    lookup: PromptLookup | None = None
+
+    def propose(self, state: DecodingState, limit: int, backoff: Backoff, speculate: bool, prefill: bool) -> Draft:
+        """The row's proposal, of at most `limit` tokens, `speculate` saying whether `backoff`
+        lets the step speculate (a `ModelDraft` where the model is to draft it). Proposals that
+        cost no forward pass (prompt lookup) need only the back-off, and ride along with the
+        prompt's prefill, whose forward pass is wide anyway. Where the back-off says no, it may
+        still let a verbatim repeat through."""
+        if limit <= 0:
+            return Draft()
+        if not speculate:
+            verbatim = self.lookup is not None and backoff.verifies_verbatim
+            return self.lookup.verbatim(state, limit) if verbatim else Draft()
+        if prefill or not self.gate.should_draft():
+            return Draft() if self.lookup is None else self.lookup.free(state, limit)
+        return ModelDraft(limit) if self.lookup is None else self.lookup.propose(state, limit, ModelDraft)
+
+    def learn(self, outcome: StepOutcome) -> None:
+        for part in (self.exit_policy, self.gate, self.lookup):
+            if part is not None:
+                part.learn(outcome)
+
+
 @dataclass
 class SpeculationParts:
     """What a strategy composes: who drafts with a model, when drafting stops, whether the model
-    drafts, whether to speculate at all, and prompt lookup's sources (None: no lookup). It is
-    the step's one choice point (`propose`), and hands every verification's outcome to each
-    part (`learn`)."""
+    drafts, whether to speculate at all, and prompt lookup's sources (None: no lookup). The exit
+    policy, the gate and lookup decide per text (`RowParts`): each further row of a batch gets
+    its own from `more_rows` (None: the parts decode one text). It is the step's one choice point
+    (`propose`), and hands every verification's outcome to each part (`learn`)."""
 
     drafter: Drafter
     exit_policy: ExitPolicy
     gate: Gate
     backoff: Backoff
     lookup: PromptLookup | None = None
+    more_rows: Callable[[], RowParts] | None = None
+    batch_quorum: float = 0.0  # a batch's proposals are no longer than this share of its rows' (`within_quorum`)
 
-    def propose(self, state: DecodingState, limit: int, selector: TokenSelector, prefill: bool) -> Draft:
-        """The step's proposal, of at most `limit` tokens: the back-off decides whether to
-        speculate at all, the gate whether the model drafts; proposals that cost no forward pass
-        (prompt lookup) need only the back-off, and ride along with the prompt's prefill, whose
-        forward pass is wide anyway. Where the back-off says no, it may still let a verbatim
-        repeat through."""
-        if limit <= 0:
-            return Draft()
-        if not self.backoff.should_speculate():
-            verbatim = self.lookup is not None and self.backoff.verifies_verbatim
-            return self.lookup.verbatim(state, limit) if verbatim else Draft()
-        if prefill or not self.gate.should_draft():
-            return Draft() if self.lookup is None else self.lookup.free(state, limit)
+    def for_rows(self, count: int) -> list[RowParts]:
+        if count > 1 and self.more_rows is None:
+            raise ValueError(f"these speculation parts decode one text at a time, not a batch of {count}")
+        first = RowParts(self.exit_policy, self.gate, self.lookup)
+        return [first] + [self.more_rows() for _ in range(count - 1)]
 
-        def model_draft(max_tokens: int) -> Draft:
-            return self.drafter.propose(state, max_tokens, self.exit_policy, selector)
+    def propose(self, rows: list[Row], limits: list[int], prefill: bool) -> list[Draft]:
+        """Each row's proposal, of at most its limit: the back-off decides for the whole step
+        whether to speculate, each row's gate whether the model drafts for it, and the rows the
+        model drafts for draft together."""
+        speculate = self.backoff.should_speculate()
+        drafts = [row.parts.propose(row.state, limit, self.backoff, speculate, prefill) for row, limit in zip(rows, limits)]
+        wanted = [draft.max_tokens if isinstance(draft, ModelDraft) else 0 for draft in drafts]
+        if any(wanted):
+            states, exit_policies = [row.state for row in rows], [row.parts.exit_policy for row in rows]
+            drafted = self.drafter.propose_rows(states, wanted, exit_policies, [row.selector for row in rows])
+            drafts = [model if tokens else draft for draft, model, tokens in zip(drafts, drafted, wanted)]
+        return within_quorum(drafts, self.batch_quorum)
 
-        return model_draft(limit) if self.lookup is None else self.lookup.propose(state, limit, model_draft)
-
-    def learn(self, outcome: StepOutcome) -> None:
-        for part in (self.drafter, self.exit_policy, self.gate, self.backoff, self.lookup):
-            if part is not None:
-                part.learn(outcome)
+    def learn(self, rows: list[Row], outcomes: list[StepOutcome], hidden: torch.Tensor | None) -> None:
+        """Each row's parts learn from its own outcome; the drafter and the back-off, which serve
+        every row, from the step's (`StepOutcome.of_batch`)."""
+        step = StepOutcome.of_batch(outcomes, hidden)
+        self.drafter.learn(step)
+        self.backoff.learn(step)
+        for row, outcome in zip(rows, outcomes):
+            row.parts.learn(outcome)
 
 
 # One forward pass of the full model over a verification's inputs `(input_ids, position_ids,
-# attention_mask, logits_to_keep, hidden_layer)`: logits `[logits_to_keep, vocab]` for the last
-# inputs, and the hidden state numbered `hidden_layer` of every input (None when that is None).
+# attention_mask, logits_to_keep, hidden_layer)`, a row per text: logits `[rows, logits_to_keep,
+# vocab]` for the last inputs, and the hidden state numbered `hidden_layer` of every input (None
+# when that is None).
 FullForward = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor | dict | None, int, int | None], tuple[torch.Tensor, torch.Tensor | None]
 ]
@@ -92,7 +140,7 @@ def model_forward(model, cache: DraftAwareCache) -> FullForward:
                 logits_to_keep=logits_to_keep,
                 **({} if hidden_layer is None else {"output_hidden_states": [hidden_layer]}),
             )
-        return outputs.logits[0], None if hidden_layer is None else outputs.hidden_states[hidden_layer]
+        return outputs.logits, None if hidden_layer is None else outputs.hidden_states[hidden_layer]
 
     return forward
 
@@ -130,8 +178,10 @@ class Runtime:
 
 @dataclass
 class DecodeRequest:
-    """What to decode, and how: as `generate` would from `input_ids`, up to `max_length` tokens
-    or until the stopping criteria say so, proposing at most `max_proposal_tokens` a step."""
+    """What to decode, and how: as `generate` would from `input_ids` (a row per text, left-padded
+    where `attention_mask` says so), up to `max_length` tokens or until the stopping criteria say
+    so, proposing at most `max_proposal_tokens` a step; a row that stops before the others is
+    padded with `pad_token_id`."""
 
     input_ids: torch.Tensor
     selector: TokenSelector
@@ -140,6 +190,8 @@ class DecodeRequest:
     max_proposal_tokens: int
     streamer: Any = None
     keep_scores: bool = False  # keep every committed token's scores and logits, for `generate`'s output
+    attention_mask: torch.Tensor | None = None
+    pad_token_id: int | None = None
 
 
 @dataclass
@@ -162,94 +214,78 @@ def speculative_decode(
     default) into `cache`, counting into `stats`."""
     runtime = Runtime.real(model, cache) if runtime is None else runtime
     forward, clock = runtime.forward, runtime.clock
-    state = _committed_prompt(request)
+    batch = Batch(request, parts.for_rows(request.input_ids.shape[0]), cache)
     cached_length = kv_length = cache.get_seq_length()
-    parts.drafter.continue_from(state, cached_length)
-    kept_scores: list[torch.Tensor] | None = [] if request.keep_scores else None
-    kept_logits: list[torch.Tensor] = []
-    finished = state.length >= request.max_length
+    parts.drafter.continue_from(batch.rows[0].state, cached_length)
+    # Where the criteria hold an EOS, a row that stops is padded; else it runs on (`Batch`).
+    pads_stopped = any(hasattr(criteria, "eos_token_id") for criteria in request.stopping_criteria)
 
-    while not finished:
-        is_prefill = kv_length == cached_length
+    while batch.active:
+        rows, is_prefill = batch.active, kv_length == cached_length
 
         # Draft
         started = clock.step_started()
-        limit = min(request.max_proposal_tokens, request.max_length - state.length - 1)
-        draft = parts.propose(state, limit, request.selector, is_prefill)
+        drafts = parts.propose(rows, batch.limits(request.max_proposal_tokens), is_prefill)
         if not is_prefill:
             # A model's draft left its own KV in the shared cache, not the full model's. (Where
             # nothing drafted into it, the cache is as the last step's rollback left it.)
             cache.rollback(kv_length)
-        drafting_ended = clock.drafted(draft)
+        drafting_ended = clock.drafted(Draft.joined(drafts))
         stats.draft_seconds += drafting_ended - started
 
-        # Verify: every drafted position in one forward pass of the full model, the draft's
-        # alternatives beside them
-        input_ids, position_ids, attention_mask = verification_inputs(
-            state.sequence, state.positions, kv_length, state.length, len(draft.tokens), draft.alternatives, model,
-            cache,
-        )
-        first_row = state.length - 1 - kv_length  # the newest committed token's: logits from here on
+        # Verify: every row's drafted positions in one forward pass of the full model, the
+        # draft's alternatives beside them
+        input_ids, position_ids, attention_mask = batch.verification_inputs(drafts, kv_length, model, cache)
+        first_row = batch.fresh - 1  # the newest committed token's: logits from here on
         logits, hidden = forward(
             input_ids, position_ids, attention_mask, input_ids.shape[1] - first_row, parts.drafter.hidden_layer
         )
-        verdict = verify(request.selector, state, draft, logits)
-        verified = clock.verified(input_ids.shape[1])
+        verdicts = [verify(row.selector, row.state, draft, row_logits)
+                    for row, draft, row_logits in zip(rows, drafts, logits)]
+        verified = clock.verified(input_ids.numel())
         stats.verify_seconds += verified - drafting_ended
 
         # Accept
-        committed, finished = _commit(state, verdict, request.stopping_criteria, kept_scores)
-        if request.streamer is not None:
-            request.streamer.put(state.sequence[0, state.length - committed : state.length].cpu())
-        if request.keep_scores:
-            kept_logits.extend(verdict.logits[:committed, None])
+        committed = batch.commit(verdicts, request.stopping_criteria, request.keep_scores)
 
         # Roll back: keep the KV of every committed token but the newest, which has none yet
-        verified_from, kv_length = kv_length, state.length - 1
-        moved_row = None
-        # An accepted alternative keeps its KV whenever the token after it was committed, on the
-        # last step too: the cache a chat's next turn continues from must hold it. A stop on the
-        # alternative itself leaves it the newest token, with no KV yet.
-        if verdict.alternative_row is not None and committed == len(verdict.tokens):
-            moved_row = (first_row + verdict.alternative_row, kv_length - 1 - verified_from)
-            cache.move_entry(verified_from + moved_row[0], verified_from + moved_row[1])
-        # a prefill's time says nothing about a step's
-        seconds = None if is_prefill else verified - started
-        parts.learn(StepOutcome(draft, verdict, committed, seconds, hidden, moved_row))
-        cache.rollback(kv_length)
-        parts.drafter.rollback(kv_length)
-        if draft.tokens or not is_prefill:
-            _count(stats, verdict, len(draft.tokens))
+        moved_row = _keep_alternative(cache, rows, verdicts, committed, first_row, kv_length)
+        seconds = None if is_prefill else verified - started  # a prefill's time says nothing about a step's
+        outcomes = [
+            StepOutcome(draft, verdict, count, seconds, None if hidden is None else hidden[i : i + 1], moved_row)
+            for i, (draft, verdict, count) in enumerate(zip(drafts, verdicts, committed))
+        ]
+        parts.learn(rows, outcomes, hidden)
+        realignment = batch.settle(committed, kv_length, pads_stopped, cache.starts)
+        cache.realign(realignment)
+        parts.drafter.realign(realignment)
+        kv_length = realignment.kv_length - realignment.dropped_columns
+        if request.streamer is not None:
+            batch.stream(request.streamer, committed)
+        for draft, verdict in zip(drafts, verdicts):
+            if draft.tokens or not is_prefill:
+                _count(stats, verdict, len(draft.tokens))
 
     if request.streamer is not None:
         request.streamer.end()
-    return DecodeResult(state.sequence[:, : state.length].clone(), stats, tuple(kept_scores or ()), tuple(kept_logits))
+    scores = batch.kept("scores") if request.keep_scores else ()
+    logits = batch.kept("logits") if request.keep_scores else ()
+    return DecodeResult(batch.output_sequences(), stats, scores, logits)
 
 
-def _committed_prompt(request: DecodeRequest) -> DecodingState:
-    """The prompt in a buffer of `max_length` tokens, which the decode fills."""
-    prompt_length = request.input_ids.shape[1]
-    sequence = request.input_ids.new_zeros((1, request.max_length))
-    sequence[:, :prompt_length] = request.input_ids
-    positions = torch.arange(request.max_length, device=request.input_ids.device).unsqueeze(0)
-    return DecodingState(sequence, positions, prompt_length)
-
-
-def _commit(
-    state: DecodingState, verdict: Verdict, stopping_criteria: StoppingCriteriaList, kept_scores: list[torch.Tensor] | None
-) -> tuple[int, bool]:
-    """Append the verdict's tokens one by one, stopping exactly where plain decoding would. As in
-    plain decoding, the criteria see the scores kept so far, so one that reads the newest token's
-    scores (transformers' `ConfidenceCriteria`) works when scores are kept."""
-    for count, token in enumerate(verdict.tokens, start=1):
-        state.sequence[0, state.length] = token
-        state.length += 1
-        if kept_scores is not None:
-            kept_scores.append(verdict.scores[count - 1, None])
-        scores = None if kept_scores is None else tuple(kept_scores)
-        if bool(stopping_criteria(state.sequence[:, : state.length], scores).any()):
-            return count, True
-    return len(verdict.tokens), False
+def _keep_alternative(cache, rows, verdicts, committed, first_row, verified_from) -> tuple[int, int] | None:
+    """Where one text's verifier accepted an alternative, move its KV to the place of the draft
+    token it replaced: `(source_row, target_row)`, rows counted from the verification's first
+    input. It keeps its KV whenever the token after it was committed, on the last step too: the
+    cache a chat's next turn continues from must hold it. A stop on the alternative itself
+    leaves it the newest token, with no KV yet. (A batch's drafts carry no alternatives.)"""
+    verdict = verdicts[0]
+    if len(rows) > 1 or verdict.alternative_row is None or committed[0] != len(verdict.tokens):
+        return None
+    kv_length = rows[0].state.length - 1
+    moved_row = (first_row + verdict.alternative_row, kv_length - 1 - verified_from)
+    cache.move_entry(verified_from + moved_row[0], verified_from + moved_row[1])
+    return moved_row
 
 
 def _count(stats: StrategyStats, verdict: Verdict, drafted: int) -> None:

@@ -9,9 +9,11 @@ importing what drafts here (the layer skipper, the adapter, the lookup corpus).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
+from .cache import Realignment
 from .selection import TokenSelector
 
 # Who proposed a draft: the model (a skip set, an adapter, an assistant, a strategy's own
@@ -43,6 +45,18 @@ class Draft:
     alternatives: list[list[int]] = field(default_factory=list)
     source: str = MODEL_SOURCE
 
+    @staticmethod
+    def joined(drafts: list[Draft]) -> Draft:
+        """A batch's drafts as one: every row's tokens, from the model if it drafted any row's
+        (what costs a draft's time), else from the source of the first row that proposed; in a
+        batch of one, that row's own draft."""
+        if len(drafts) == 1:
+            return drafts[0]
+        proposed = [draft for draft in drafts if draft.tokens]
+        by_model = not proposed or any(draft.source == MODEL_SOURCE for draft in proposed)
+        tokens = [token for draft in proposed for token in draft.tokens]
+        return Draft(tokens=tokens, source=MODEL_SOURCE if by_model else proposed[0].source)
+
 
 @dataclass
 class Verdict:
@@ -53,6 +67,26 @@ class Verdict:
     # The logits row of the alternative that replaced the first rejected draft token, if any:
     # its KV must move to that token's place.
     alternative_row: int | None = None
+
+
+class JoinedVerdict:
+    """A batch's verdicts as one (`StepOutcome.of_batch`): the rows' tokens one after another;
+    their scores and logits are joined only where read."""
+
+    alternative_row = None
+
+    def __init__(self, rows: list[StepOutcome]):
+        self._verdicts = [row.verdict for row in rows]
+        self.tokens = [token for verdict in self._verdicts for token in verdict.tokens]
+        self.accepted = sum(verdict.accepted for verdict in self._verdicts)
+
+    @cached_property
+    def scores(self) -> torch.Tensor:
+        return torch.cat([verdict.scores for verdict in self._verdicts])
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        return torch.cat([verdict.logits for verdict in self._verdicts])
 
 
 @dataclass(frozen=True)
@@ -72,6 +106,19 @@ class StepOutcome:
     # verification computed at row `source_row` (rows from its first input) now stands at
     # `target_row`, as the shared cache's entries do.
     moved_row: tuple[int, int] | None = None
+    # A batch's step (`of_batch`): each row's own outcome, in the order of the batch's rows.
+    rows: tuple[StepOutcome, ...] = ()
+
+    @classmethod
+    def of_batch(cls, rows: list[StepOutcome], hidden: torch.Tensor | None) -> StepOutcome:
+        """A step of a batch as the parts that serve every row hear it (the drafter, the
+        back-off): the rows' drafts and verdicts joined, the tokens committed in all, and the
+        hidden states of every row; in a batch of one, that row's own outcome."""
+        if len(rows) == 1:
+            return rows[0]
+        draft = Draft.joined([row.draft for row in rows])
+        committed = sum(row.committed for row in rows)
+        return cls(draft, JoinedVerdict(rows), committed, rows[0].seconds, hidden, rows=tuple(rows))
 
     def proposed_by(self, source: str) -> bool:
         """Whether `source` proposed the verified draft (a plain step has no proposer)."""
@@ -103,8 +150,9 @@ class ExitPolicy:
 
 
 class Drafter:
-    """What the loop asks for a draft: `propose`, `learn` after each verification, `rollback`
-    after each verification's KV is trimmed, and `continue_from` once, before the first."""
+    """What the loop asks for a draft: `propose` (`propose_rows` for a batch), `learn` after each
+    verification, `realign` after each verification's KV is trimmed (`rollback` in a batch of
+    one), and `continue_from` once, before the first."""
 
     # Which of a verification's hidden states the drafter reads (transformers' numbering: `n` is
     # the output of layer `n - 1`), handed over in `StepOutcome.hidden`; None for none.
@@ -114,11 +162,34 @@ class Drafter:
         """Up to `max_tokens` tokens, written into `state.sequence` right after the committed text."""
         raise NotImplementedError
 
+    def propose_rows(
+        self,
+        states: list[DecodingState],
+        limits: list[int],
+        exit_policies: list[ExitPolicy],
+        selectors: list[TokenSelector],
+    ) -> list[Draft]:
+        """A draft for each row of a batch, of up to its `limits` tokens (none where that is 0),
+        with the row's own exit policy and selector. This default drafts each row alone through
+        `propose`, which is right for a drafter that keeps nothing in the shared cache; one that
+        drafts with the model drafts every row in each forward pass."""
+        return [
+            self.propose(state, limit, exit_policy, selector) if limit > 0 else Draft()
+            for state, limit, exit_policy, selector in zip(states, limits, exit_policies, selectors)
+        ]
+
     def learn(self, outcome: StepOutcome) -> None:
-        """After every verification, whoever proposed (prompt lookup, the model, nobody)."""
+        """After every verification, whoever proposed (prompt lookup, the model, nobody); in a
+        batch, the step's outcome joins its rows' (`StepOutcome.of_batch`)."""
 
     def rollback(self, committed_kv_length: int) -> None:
         """Forget draft state past the KV the verifier kept; the shared cache needs nothing."""
+
+    def realign(self, realignment: Realignment) -> None:
+        """After every verification: the shared cache was cut to `realignment.kv_length` and, in
+        a batch, its rows moved as `realignment` says. A drafter with KV of its own moves it
+        alike; this default only rolls back, all a drafter without it needs."""
+        self.rollback(realignment.kv_length)
 
     def continue_from(self, state: DecodingState, cached_length: int) -> None:
         """The shared cache arrives holding the KV of the text's first `cached_length` tokens (a

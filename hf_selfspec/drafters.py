@@ -16,13 +16,14 @@ from torch import nn
 from transformers import DynamicCache
 
 from .adapter import DraftAdapter
-from .cache import DraftAwareCache, cache_keyword
+from .cache import DraftAwareCache, Realignment, cache_keyword, drop_columns, keep_rows, shift_rows
 from .decoding_types import DecodingState, Draft, Drafter, ExitPolicy, StepOutcome
 from .layer_skip import SkippingDecoder, decoder_layers
+from .batch import quorum_rows
 from .selection import TokenSelector
 
 
-# (input_ids, position_ids) -> logits `[1, vocab]` at the last position, updating the cache.
+# (input_ids, position_ids) -> logits `[rows, vocab]` at the last position, updating the cache.
 NextLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -37,43 +38,65 @@ def _model_next_logits(model: nn.Module, cache: DraftAwareCache) -> NextLogits:
     return next_logits
 
 
+def _inputs(states: list[DecodingState], ends: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, position_ids)`: each row's `width` tokens before its `ends` entry."""
+    if len(states) == 1:  # views, no copies
+        return states[0].sequence[:, ends[0] - width : ends[0]], states[0].positions[:, ends[0] - width : ends[0]]
+    return (
+        torch.cat([state.sequence[:, end - width : end] for state, end in zip(states, ends)]),
+        torch.cat([state.positions[:, end - width : end] for state, end in zip(states, ends)]),
+    )
+
+
 def _draft_autoregressively(
     next_logits: NextLogits,
-    state: DecodingState,
-    start: int,
-    max_tokens: int,
-    exit_policy: ExitPolicy,
-    selector: TokenSelector,
+    states: list[DecodingState],
+    width: int,
+    limits: list[int],
+    exit_policies: list[ExitPolicy],
+    selectors: list[TokenSelector],
     alternatives: int = 0,
-) -> Draft:
-    """Feed `sequence[start:length]`, then extend one token at a time until the exit fires
-    (`ExitPolicy.exits_after`, the token that trips it kept).
+    quorum: float = 0.0,
+) -> list[Draft]:
+    """Feed each row's last `width` committed tokens, then extend each row one token at a time
+    until its exit fires (`ExitPolicy.exits_after`, the token that trips it kept) or it has its
+    `limits` entry of tokens; a batch's rows step together while any of them drafts, the others
+    feeding their last token again (KV the rollback drops), and only while `quorum_rows` of them
+    draft: each step of the draft costs every row.
 
     Each token comes with up to `alternatives` runner-ups: the draft's likeliest other tokens
     (a sampled token need not be its likeliest), never one its scores rule out (a restricted
     head's -inf rows, a processor's bans).
     """
-    draft = Draft()
-    sequence, positions, end = state.sequence, state.positions, state.length
-    for _ in range(max_tokens):
-        logits = next_logits(sequence[:, start:end], positions[:, start:end])
-        scores = selector.scores(sequence[:, :end], logits)
-        token, distribution = selector.pick(scores)
-        sequence[0, end] = token
-        draft.tokens.append(token)
-        draft.distributions.append(distribution)
-        if alternatives:
-            values, indices = (column.tolist() for column in scores[0].topk(alternatives + 1))
-            runner_ups = [i for v, i in zip(values, indices) if i != token and v > -float("inf")]
-            draft.alternatives.append(runner_ups[:alternatives])
-        start, end = end, end + 1
-        if exit_policy.exits_after(float(distribution.max())):
-            break
-    return draft
+    drafts = [Draft() for _ in states]
+    drafting = [limit > 0 for limit in limits]
+    ends = [state.length for state in states]
+    needed = quorum_rows(quorum, len(states))
+    input_ids, position_ids = _inputs(states, ends, width)
+    while sum(drafting) >= needed:
+        logits = next_logits(input_ids, position_ids)
+        for row, (state, draft) in enumerate(zip(states, drafts)):
+            if not drafting[row]:
+                continue
+            scores = selectors[row].scores(state.sequence[:, : ends[row]], logits[row : row + 1])
+            token, distribution = selectors[row].pick(scores)
+            state.sequence[0, ends[row]] = token
+            ends[row] += 1
+            draft.tokens.append(token)
+            draft.distributions.append(distribution)
+            if alternatives:
+                values, indices = (column.tolist() for column in scores[0].topk(alternatives + 1))
+                runner_ups = [i for v, i in zip(values, indices) if i != token and v > -float("inf")]
+                draft.alternatives.append(runner_ups[:alternatives])
+            exits = exit_policies[row].exits_after(float(distribution.max()))
+            drafting[row] = not exits and len(draft.tokens) < limits[row]
+        input_ids, position_ids = _inputs(states, ends, 1)
+    return drafts
 
 
 class RestrictedDraftHead:
-    """The LM head over a subset of the vocabulary: the lowest ids plus the prompt's tokens.
+    """The LM head over a subset of the vocabulary: the lowest ids plus the prompt's tokens (every
+    row's, in a batch).
 
     A `subset_size` of 0 or of the vocabulary's size keeps the whole head.
 
@@ -105,10 +128,11 @@ class RestrictedDraftHead:
         return logits
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[rows, vocab]` for the hidden states `[rows, hidden]`."""
         if self.covers_vocabulary:
             return self.subset_logits(hidden)
-        scores = self.scores.clone()
-        scores[0, self.token_ids] = self.subset_logits(hidden)[0]
+        scores = self.scores.expand(hidden.shape[0], -1).clone()
+        scores[:, self.token_ids] = self.subset_logits(hidden)
         return scores
 
 
@@ -117,21 +141,31 @@ class LayerSkipDrafter(Drafter):
 
     def __init__(
         self, model: nn.Module, cache: DraftAwareCache, decoder: SkippingDecoder, draft_vocab_size: int = 0,
-        alternatives: int = 0,
+        alternatives: int = 0, batch_quorum: float = 0.0,
     ):
         self.model, self.cache, self.decoder = model, cache, decoder
-        self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
+        self.draft_vocab_size, self.alternatives, self.batch_quorum = draft_vocab_size, alternatives, batch_quorum
         self.head: RestrictedDraftHead | None = None
 
     def _next_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.decoder(input_ids, position_ids, self.cache)[:, -1])
 
     def propose(self, state, max_tokens, exit_policy, selector):
-        if self.head is None:  # first draft: the committed text is the prompt and one token
-            self.head = RestrictedDraftHead(self.model, self.draft_vocab_size, state.sequence[:, : state.length])
+        return self.propose_rows([state], [max_tokens], [exit_policy], [selector])[0]
+
+    def propose_rows(self, states, limits, exit_policies, selectors):
+        if self.head is None:  # first draft: each text is its prompt and one token
+            self.head = _draft_head(self.model, self.draft_vocab_size, states)
+        # A batch's rows are verified without alternatives (`Batch.verification_inputs`).
+        alternatives = self.alternatives if len(states) == 1 else 0
         return _draft_autoregressively(
-            self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
+            self._next_logits, states, 1, limits, exit_policies, selectors, alternatives, self.batch_quorum
         )
+
+
+def _draft_head(model: nn.Module, subset_size: int, states: list[DecodingState]) -> RestrictedDraftHead:
+    prompts = torch.cat([state.sequence[0, : state.length] for state in states])
+    return RestrictedDraftHead(model, subset_size, prompts)
 
 
 class ShallowExitDrafter(Drafter):
@@ -147,10 +181,10 @@ class ShallowExitDrafter(Drafter):
 
     def __init__(
         self, model: nn.Module, cache: DraftAwareCache, adapter: DraftAdapter, draft_vocab_size: int = 0,
-        alternatives: int = 0,
+        alternatives: int = 0, batch_quorum: float = 0.0,
     ):
         self.model, self.cache, self.adapter = model, cache, adapter
-        self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
+        self.draft_vocab_size, self.alternatives, self.batch_quorum = draft_vocab_size, alternatives, batch_quorum
         self.exit_layer = adapter.shape.exit_layer
         above = tuple(range(self.exit_layer, len(decoder_layers(model))))
         self.shallow_layers = SkippingDecoder(model, above, above)
@@ -158,6 +192,7 @@ class ShallowExitDrafter(Drafter):
         self.adapter_length = 0  # committed positions whose shallow states the adapter cache holds
         self.committed_length = 0  # positions the verifier has computed, the adapter's backlog included
         self.backlog: list[torch.Tensor] = []  # shallow states of `adapter_length..committed_length`
+        self.verified_starts: tuple[int, ...] | None = None  # the rows' first columns when the backlog was verified
         self.head: RestrictedDraftHead | None = None
         self.hidden_layer = self.exit_layer
 
@@ -168,14 +203,32 @@ class ShallowExitDrafter(Drafter):
         # for the shallow layers to finish before the adapter's work could be queued.
         positions = position_ids[:, -1:] + 1 - hidden.shape[1] + torch.arange(hidden.shape[1], device=hidden.device)
         self.backlog = []
-        return self.head(self.adapter(hidden, positions, self.adapter_cache)[:, -1])
+        mask = self._adapter_mask(hidden, self.cache.starts)
+        return self.head(self.adapter(hidden, positions, self.adapter_cache, mask)[:, -1])
+
+    def _adapter_mask(self, hidden: torch.Tensor, starts: tuple[int, ...] | None) -> torch.Tensor | None:
+        """The adapter's mask for `hidden` after what its cache holds, whose columns are the shared
+        cache's: causal, each row's padding (from its column `starts`) hidden. None without
+        padding: the adapter's own causal mask."""
+        if starts is None:
+            return None
+        past, queries = self.adapter_cache.get_seq_length(), hidden.shape[1]
+        keys = torch.arange(past + queries, device=hidden.device)
+        causal = keys[None, :] <= past + torch.arange(queries, device=hidden.device)[:, None]
+        visible = causal[None] & (keys[None, None, :] >= torch.tensor(starts, device=hidden.device)[:, None, None])
+        mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
+        return mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[:, None]
 
     def propose(self, state, max_tokens, exit_policy, selector):
-        if self.head is None:  # first draft: the committed text is the prompt and one token
-            self.head = RestrictedDraftHead(self.model, self.draft_vocab_size, state.sequence[:, : state.length])
+        return self.propose_rows([state], [max_tokens], [exit_policy], [selector])[0]
+
+    def propose_rows(self, states, limits, exit_policies, selectors):
+        if self.head is None:  # first draft: each text is its prompt and one token
+            self.head = _draft_head(self.model, self.draft_vocab_size, states)
         self.adapter_length = self.committed_length  # the backlog enters the adapter cache now
+        alternatives = self.alternatives if len(states) == 1 else 0
         return _draft_autoregressively(
-            self._next_logits, state, state.length - 1, max_tokens, exit_policy, selector, self.alternatives
+            self._next_logits, states, 1, limits, exit_policies, selectors, alternatives, self.batch_quorum
         )
 
     def continue_from(self, state: DecodingState, cached_length: int) -> None:
@@ -196,15 +249,52 @@ class ShallowExitDrafter(Drafter):
             verification = verification.clone()
             verification[:, target_row] = verification[:, source_row]
         self.backlog.append(verification)
+        self.verified_starts = self.cache.starts  # the columns the backlog's states stand at, until `realign`
 
     def rollback(self, committed_kv_length: int) -> None:
+        self.realign(Realignment(committed_kv_length))
+
+    def realign(self, realignment: Realignment) -> None:
+        """The adapter cache and the backlog cover the shared cache's columns, first the one then
+        the other, and move as its rows move. Where rows move right, the backlog enters the
+        adapter cache first: it then moves with the rest (a row's states that would fall past
+        the adapter cache's end could not be fed again)."""
+        self._crop_adapter_cache()  # the draft's own entries
+        if any(realignment.shifts):
+            self._feed_backlog(self.verified_starts)
+            shift_rows(self.adapter_cache.layers, realignment.shifts)
+            self.adapter_length = min(self.adapter_length, realignment.kv_length)
+            self._crop_adapter_cache()
+        backlog = torch.cat(self.backlog, dim=1) if self.backlog else None
+        keep = realignment.kv_length - self.adapter_length
+        backlog = backlog[:, :keep] if backlog is not None and keep > 0 else None
+        if realignment.kept_rows is not None:
+            keep_rows(self.adapter_cache.layers, realignment.kept_rows)
+            backlog = None if backlog is None else backlog[list(realignment.kept_rows)]
+        dropped = min(realignment.dropped_columns, self.adapter_length)
+        drop_columns(self.adapter_cache.layers, dropped)
+        self.adapter_length -= dropped
+        if backlog is not None and realignment.dropped_columns > dropped:
+            backlog = backlog[:, realignment.dropped_columns - dropped :]
+        self.backlog = [] if backlog is None else [backlog]
+        self.committed_length = realignment.kv_length - realignment.dropped_columns
+
+    def _crop_adapter_cache(self) -> None:
         excess = self.adapter_cache.get_seq_length() - self.adapter_length
         if excess > 0:
             self.adapter_cache.crop(-excess)
-        backlog = torch.cat(self.backlog, dim=1) if self.backlog else None
-        keep = committed_kv_length - self.adapter_length
-        self.backlog = [backlog[:, :keep]] if backlog is not None and keep > 0 else []
-        self.committed_length = committed_kv_length
+
+    def _feed_backlog(self, starts: tuple[int, ...] | None) -> None:
+        """Run the adapter over the backlog, whose states stand at columns laid out by `starts`."""
+        if not self.backlog:
+            return
+        hidden = torch.cat(self.backlog, dim=1)
+        self.backlog = []
+        columns = self.adapter_length + torch.arange(hidden.shape[1], device=hidden.device)
+        first = torch.tensor(starts or (0,) * hidden.shape[0], device=hidden.device)
+        positions = (columns[None, :] - first[:, None]).clamp(min=0)
+        self.adapter(hidden, positions, self.adapter_cache, self._adapter_mask(hidden, starts))
+        self.adapter_length += hidden.shape[1]
 
 
 class AssistantDrafter(Drafter):
@@ -219,8 +309,8 @@ class AssistantDrafter(Drafter):
 
     def propose(self, state, max_tokens, exit_policy, selector):
         draft = _draft_autoregressively(
-            self.next_logits, state, self.kv_length, max_tokens, exit_policy, selector
-        )
+            self.next_logits, [state], state.length - self.kv_length, [max_tokens], [exit_policy], [selector]
+        )[0]
         self.kv_length = state.length + len(draft.tokens) - 1
         return draft
 

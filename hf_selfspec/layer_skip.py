@@ -60,6 +60,15 @@ def _layer_halves(model: nn.Module, index: int, layer: nn.Module) -> dict[str, t
     )
 
 
+def _padding(cache: Cache | None, layer_idx: int, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The 2-D padding mask over what layer `layer_idx` of a batch's cache holds and the new
+    inputs (`DraftAwareCache.padding_mask`); None where no row has padding."""
+    if getattr(cache, "starts", None) is None:
+        return None
+    held = cache.layers[layer_idx].get_seq_length() if layer_idx < len(cache.layers) else 0
+    return cache.padding_mask(held + hidden.shape[1], hidden.device)
+
+
 class SkippingDecoder:
     """The model's decoder run layer by layer, leaving out chosen attention and MLP sub-layers.
 
@@ -109,8 +118,8 @@ class SkippingDecoder:
         for kind, layer_idx in self.mask_layers.items():
             build = create_sliding_window_causal_mask if kind == SLIDING else create_causal_mask
             masks[kind] = build(
-                config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
-                layer_idx=layer_idx, **cache_keyword(cache),
+                config=self.config, inputs_embeds=hidden, attention_mask=_padding(cache, layer_idx, hidden),
+                position_ids=position_ids, layer_idx=layer_idx, **cache_keyword(cache),
             )
         return masks
 

@@ -27,6 +27,7 @@ from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriter
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .batch import why_not_left_padded
 from .cache import CACHE_ARGUMENT, cache_given_to, rollback_view, why_not_rollback_capable
 from .decoding import DecodeRequest, speculative_decode
 from .layer_skip import decoder_layers
@@ -98,14 +99,36 @@ def _unsupported(config, args: tuple, kwargs: dict[str, Any]) -> str | None:
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"run transformers' {mode.value.replace('_', ' ')} (its own decoding loop)"
     inputs = _call_prompt(args, kwargs)
-    batch = (inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else 1) * (
-        setting("num_return_sequences", 1) or 1
-    )
+    mask_problem = why_not_left_padded(kwargs.get("attention_mask"), inputs)
+    if mask_problem is not None:
+        return f"decode with this attention_mask: {mask_problem}"
+    batch = _batch_size(config, args, kwargs)
     if batch > 1:
-        return f"decode a batch of {batch} sequences: strategies decode one sequence per call"
+        reason = _why_not_batched(batch, kwargs)
+        if reason is not None:
+            return reason
     past = cache_given_to(kwargs)
     if past is not None:
         return why_not_rollback_capable(past) or _why_not_continued(past, inputs)
+    return None
+
+
+def _batch_size(config, args: tuple, kwargs: dict[str, Any]) -> int:
+    """The rows a call decodes: its prompts, each `num_return_sequences` times."""
+    inputs = _call_prompt(args, kwargs)
+    returned = kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1)) or 1
+    return (inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() > 1 else 1) * returned
+
+
+def _why_not_batched(batch: int, kwargs: dict[str, Any]) -> str | None:
+    """Why a batch of `batch` texts cannot run under a strategy, or None."""
+    if cache_given_to(kwargs) is not None:
+        return f"continue a batch of {batch} from a given cache: decode a batch from a fresh cache"
+    if kwargs.get("prefix_allowed_tokens_fn") is not None:
+        # it is told each text's row in the batch, which a strategy does not know while it verifies
+        return f"constrain a batch of {batch} with prefix_allowed_tokens_fn"
+    if kwargs.get("assistant_model") is not None:
+        return f"draft a batch of {batch} with an assistant_model"
     return None
 
 
@@ -139,11 +162,11 @@ def _decline(strategy_name: str | None, reason: str) -> None:
     logger.info("Decoding plainly: the tuned profile's strategy cannot %s.", reason)
 
 
-# Read from the mask transformers prepared, not from the call: with no attention_mask given, it
-# masks every token of the input that equals pad_token_id (where that is not an EOS id).
-PADDED_INPUT = (
-    "decode a padded input (its attention_mask has zeros, passed or inferred by transformers from "
-    "pad_token_id in input_ids; pass attention_mask=torch.ones_like(input_ids) to attend to every token)"
+# Read from the mask transformers prepared where the call passed none: it then masks every token
+# of the input that equals pad_token_id (where that is not an EOS id), wherever it stands.
+INFERRED_MASK = (
+    "decode with the attention_mask transformers inferred from pad_token_id in input_ids: {}; pass "
+    "attention_mask (torch.ones_like(input_ids) to attend to every token)"
 )
 
 
@@ -234,7 +257,7 @@ def generate_with_strategy(
     explicit = {name: kwargs.pop(name) for name in list(kwargs) if name in PARAM_NAMES}
     plan = _plan_strategy(model, strategy, explicit, args, kwargs, lent_profiles)
     if plan is None:
-        return _fed(online, plain_generate(*args, **kwargs), kwargs)
+        return _fed(online, plain_generate(*args, **kwargs), model, args, kwargs)
     if online is not None and plan.params.online_corpus_file:
         online.start_from(plan.params.online_corpus_file)
     plan = replace(plan, online_corpus=online)
@@ -244,14 +267,21 @@ def generate_with_strategy(
     # transformers hands a `custom_generate` callable everything it would hand `_sample` but
     # the streamer, to which it has already given the prompt: the loop gets it here.
     loop = functools.partial(_speculative_sample, plan=plan, streamer=kwargs.get("streamer"))
-    return _fed(online, output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device), kwargs)
+    output = output_on_device(plain_generate(*args, custom_generate=loop, **kwargs), caller_device)
+    return _fed(online, output, model, args, kwargs)
 
 
-def _fed(corpus: OnlineCorpus | None, output, kwargs: dict[str, Any]):
+def _fed(corpus: OnlineCorpus | None, output, model: nn.Module, args: tuple, kwargs: dict[str, Any]):
     """`output`, once its texts are added to `corpus` (if any): only now are they final."""
-    if corpus is not None:
+    prompt = _call_prompt(args, kwargs)
+    if corpus is not None and isinstance(prompt, torch.Tensor):
         sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        feed(corpus, sequences, kwargs.get("attention_mask"))
+        config = _call_generation_config(model, args, kwargs)
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        if pad is None:  # transformers pads with the first EOS then
+            eos = kwargs.get("eos_token_id", config.eos_token_id)
+            pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        feed(corpus, sequences, prompt, kwargs.get("attention_mask"), None if pad is None else int(pad))
     return output
 
 
@@ -316,6 +346,10 @@ def _plan_strategy(
         anchor_profile_files(model, config_values),
         anchor_profile_files(model, profile.params, profile_dir) if profile is not None else {},
     )
+    batch = _batch_size(config, args, kwargs)
+    if params.max_batch_size and batch > params.max_batch_size:
+        logger.info("Decoding plainly: a batch of %d is more than max_batch_size %d.", batch, params.max_batch_size)
+        return None
     return StrategyPlan(resolved, params, kwargs.get("assistant_model"), from_profile=strategy is None)
 
 
@@ -332,8 +366,9 @@ def _speculative_sample(
 ):
     """What `_sample` does, speculatively: transformers calls it as the call's `custom_generate`."""
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        _decline(None if plan.from_profile else plan.strategy.name, PADDED_INPUT)
+    problem = None if mask is None else why_not_left_padded(mask, input_ids)
+    if problem is not None:
+        _decline(None if plan.from_profile else plan.strategy.name, INFERRED_MASK.format(problem))
         return type(model)._sample(
             model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer, **model_kwargs
         )
@@ -352,6 +387,8 @@ def _speculative_sample(
             max_proposal_tokens=plan.params.max_proposal_tokens,
             streamer=streamer,
             keep_scores=keep_scores,
+            attention_mask=mask,
+            pad_token_id=_pad_token_id(generation_config),
         )
         result = speculative_decode(model, cache, parts, request, StrategyStats(strategy=plan.strategy.name))
     if not generation_config.return_dict_in_generate:
@@ -363,6 +400,14 @@ def _speculative_sample(
         **{CACHE_ARGUMENT: filled_cache},
         strategy_stats=result.stats,
     )
+
+
+def _pad_token_id(generation_config) -> int | None:
+    """What a batch's rows are padded with after they stop, as transformers' `_sample` pads them."""
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None:
+        pad = generation_config.pad_token_id
+    return None if pad is None else int(pad.flatten()[0]) if isinstance(pad, torch.Tensor) else int(pad)
 
 
 _enabled_classes: dict[type, type] = {}

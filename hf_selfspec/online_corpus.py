@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .batch import left_padding, why_not_left_padded
 from .lookup_corpus import SEPARATOR, read_lookup_corpus, save_lookup_corpus
 from .profile_files import local_file
 
@@ -270,10 +271,21 @@ def corpus_for_call(model: nn.Module, choice: object) -> OnlineCorpus | None:
     raise ValueError(f"online_corpus must be True, False, None or a key (a string), got {choice!r}")
 
 
-def feed(corpus: OnlineCorpus, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-    """Add a finished call's texts (each row: its prompt, then its output). Rows of a padded
-    batch are skipped: where the padding stops inside a row is the prompt's to say, not ours."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        return
-    for row in sequences.reshape(-1, sequences.shape[-1]):
-        corpus.add(row.tolist())
+def feed(
+    corpus: OnlineCorpus, sequences: torch.Tensor, prompt: torch.Tensor, attention_mask: torch.Tensor | None,
+    pad_token_id: int | None = None,
+) -> None:
+    """Add a finished call's texts: each row's prompt without its left padding, then its output
+    without the padding after a row that stopped before the others. A batch whose mask is not
+    left padding is skipped: where a row's text starts is then not ours to say."""
+    rows = sequences.reshape(-1, sequences.shape[-1])
+    starts = [0] * rows.shape[0]
+    if attention_mask is not None:
+        if why_not_left_padded(attention_mask, prompt) is not None:
+            return
+        starts = left_padding(attention_mask.repeat_interleave(rows.shape[0] // attention_mask.shape[0], dim=0), 0)
+    for row, start in zip(rows.tolist(), starts):
+        end = len(row)
+        while rows.shape[0] > 1 and pad_token_id is not None and end > prompt.shape[-1] and row[end - 1] == pad_token_id:
+            end -= 1
+        corpus.add(row[start:end])

@@ -78,6 +78,15 @@ class SelfSpecParams:
     # call's online corpus starts from: what a tuning study's corpus learned, shipped beside its
     # profile. Read only where the call's online corpus is on. Resolved like `draft_adapter`.
     online_corpus_file: str = ""
+    # The largest batch (`input_ids` rows times `num_return_sequences`) this speculates on: a
+    # larger one decodes plainly. 0: any batch.
+    max_batch_size: int = 0
+    # In a batch, the share of its rows that must want a longer proposal for the batch to have
+    # one: its model draft goes on while at least that many rows still draft, and its
+    # verification is no wider than that many rows' proposals (see `batch.py`). Each drafted or
+    # verified position costs every row, so a lone row's long proposal costs the batch more than
+    # it can give it, the more so the larger the batch. 0: as long as any row wants it.
+    batch_quorum: float = 0.25
 
     @property
     def max_proposal_tokens(self) -> int:
@@ -103,6 +112,7 @@ _PROBABILITY_KEYS = (
     "threshold_ema",
     "target_confidence_threshold",
     "online_corpus_min_prob",
+    "batch_quorum",
 )
 # Parameters that name a file beside the profile's generation_config.json; whatever copies,
 # exports or uploads a profile carries these files along.
@@ -120,6 +130,7 @@ _COUNT_KEYS = {
     "backoff_probe_interval": 0,
     "online_corpus_max_tokens": 1,
     "online_corpus_min_context": 1,
+    "max_batch_size": 0,
 }
 
 

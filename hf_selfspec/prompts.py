@@ -158,3 +158,20 @@ def encode_prompt(tokenizer, prompt: Prompt) -> dict[str, Any]:
         )
     text = render_raw(prompt.messages) if prompt.messages is not None else prompt.text
     return tokenizer(text, return_tensors="pt")
+
+
+def encode_batch(tokenizer, prompts: list[Prompt]) -> dict[str, Any]:
+    """Model inputs for `prompts` as one batch, each encoded as `encode_prompt` encodes it and
+    left-padded to the longest with the tokenizer's pad token (its EOS if it has none), as
+    decoder-only generation takes a batch."""
+    import torch
+
+    rows = [encode_prompt(tokenizer, prompt)["input_ids"][0] for prompt in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, width - len(row) :] = row
+        attention_mask[index, width - len(row) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}

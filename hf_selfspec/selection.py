@@ -6,14 +6,25 @@ min-length...) see the same prefix at every position that plain decoding would g
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 
 class TokenSelector:
     def __init__(self, logits_processor: LogitsProcessorList, do_sample: bool):
         self.logits_processor = logits_processor
         self.do_sample = do_sample
+
+    def for_row(self, row: int) -> TokenSelector:
+        """The selector of row `row` of a batch, which scores that row alone: a processor holding
+        a value per row (the repetition penalty's prompt padding, which it ignores) holds that
+        row's."""
+        processors = [_for_row(processor, row) for processor in self.logits_processor]
+        if all(mine is theirs for mine, theirs in zip(processors, self.logits_processor)):
+            return self
+        return TokenSelector(LogitsProcessorList(processors), self.do_sample)
 
     @property
     def has_processors(self) -> bool:
@@ -30,3 +41,12 @@ class TokenSelector:
         if self.do_sample:
             return int(torch.multinomial(probabilities, 1)), probabilities
         return int(torch.argmax(scores[0])), probabilities
+
+
+def _for_row(processor, row: int):
+    ignored = getattr(processor, "prompt_ignore_length", None)
+    if not isinstance(processor, RepetitionPenaltyLogitsProcessor) or not isinstance(ignored, torch.Tensor):
+        return processor
+    own = copy.copy(processor)
+    own.prompt_ignore_length = int(ignored[row])
+    return own

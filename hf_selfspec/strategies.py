@@ -17,7 +17,7 @@ from typing import ClassVar
 from torch import nn
 
 from .cache import DraftAwareCache
-from .decoding import SpeculationParts
+from .decoding import RowParts, SpeculationParts
 from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
 from .decoding_types import Drafter, ExitPolicy
@@ -158,9 +158,11 @@ class Strategy:
             )
         if params.draft_adapter:
             adapter = load_adapter(model, params.draft_adapter)
-            return ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives)
+            return ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives,
+                                      params.batch_quorum)
         decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)
-        return LayerSkipDrafter(model, cache, decoder, params.draft_vocab_size, params.draft_alternatives)
+        return LayerSkipDrafter(model, cache, decoder, params.draft_vocab_size, params.draft_alternatives,
+                                params.batch_quorum)
 
     def build_drafter(
         self,
@@ -193,12 +195,20 @@ class Strategy:
             raise ValueError(f"strategy {self.name!r} drafts with the model itself and does not take assistant_model")
         if assistant_model is not None:
             check_assistant(model, assistant_model)
+        def row_parts() -> RowParts:  # each row of a batch decides on its own
+            return RowParts(self.build_exit_policy(params), self.build_gate(params),
+                            self.build_lookup(model, params, online_corpus))
+
+        drafter = self.build_drafter(model, params, cache, assistant_model, model_drafter)
+        first = row_parts()
         return SpeculationParts(
-            drafter=self.build_drafter(model, params, cache, assistant_model, model_drafter),
-            exit_policy=self.build_exit_policy(params),
-            gate=self.build_gate(params),
+            drafter=drafter,
+            exit_policy=first.exit_policy,
+            gate=first.gate,
             backoff=self.build_backoff(params),
-            lookup=self.build_lookup(model, params, online_corpus),
+            lookup=first.lookup,
+            more_rows=row_parts,
+            batch_quorum=params.batch_quorum,
         )
 
 

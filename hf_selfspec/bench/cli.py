@@ -14,7 +14,7 @@ from importlib import resources
 from importlib.util import find_spec
 from pathlib import Path
 
-from hf_selfspec.argtypes import non_negative_int, positive_float, positive_int, probability
+from hf_selfspec.argtypes import non_negative_int, positive_float, positive_int, positive_ints, probability
 from hf_selfspec.bench.sampling import DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, Sampling
 from hf_selfspec.prompts import HELD_OUT_SPLIT, SPLITS, STREAMS, TUNE_SPLIT, WORKLOAD, Prompt, load_prompts
 
@@ -225,6 +225,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "names as in the table)",
     )
     parser.add_argument(
+        "--batch-size",
+        type=positive_ints,
+        metavar="N[,N...]",
+        help="decode the prompts in batches of each of these sizes, each batch of one category, left-padded: "
+        "plain batched generate against our contenders on the whole batch and at batch 1 on its prompts, in "
+        "tokens per second over the batch, per category; writes batches.json (greedy only)",
+    )
+    parser.add_argument(
         "--device", help="device to run on, e.g. cpu, cuda or cuda:1 (default: cuda when available, else cpu)"
     )
     parser.add_argument(
@@ -282,6 +290,8 @@ def bench_sampling(args: argparse.Namespace) -> Sampling | None:
         for name, value in {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}.items()
         if value is not None
     }
+    if args.do_sample and getattr(args, "batch_size", None):
+        raise ValueError("--batch-size measures greedy decoding; drop --do-sample")
     if args.do_sample:
         return Sampling(**given)
     if given:
@@ -362,12 +372,29 @@ def select_contenders(contenders: list, names: str | None) -> list:
     return [contender for contender in contenders if contender.name in kept]
 
 
+def _checked_files(args: argparse.Namespace, model_name: str) -> str | None:
+    """The generation config to load, once every file the command names reads as what it must be."""
+    from ..adapter import check_adapter_file
+    from ..hub.package import check_package_folder
+
+    config = args.config or _default_config(model_name)
+    if config:
+        check_config(config)
+    for compared in args.compare_config:
+        check_config(compared, "--compare-config")
+    if args.custom_generate:
+        check_package_folder(args.custom_generate, "--custom-generate")
+    if args.draft_adapter:
+        check_adapter_file(args.draft_adapter, "--draft-adapter")
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import available_strategies
-    from ..adapter import check_adapter_file, read_adapter
-    from ..hub.package import check_package_folder
+    from ..adapter import read_adapter
     from ..inputs import model_name as model_name_input
     from ..loading import load_model_and_tokenizer
+    from .batched import run_batches
     from .benchmark import run_benchmark
     from .contenders import build_contenders, compared_profile_contender, online_contenders
 
@@ -376,15 +403,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = bench_prompts(args)
         sampling = bench_sampling(args)
         model_name = model_name_input(args.model)
-        config = args.config or _default_config(model_name)
-        if config:
-            check_config(config)
-        for compared in args.compare_config:
-            check_config(compared, "--compare-config")
-        if args.custom_generate:
-            check_package_folder(args.custom_generate, "--custom-generate")
-        if args.draft_adapter:
-            check_adapter_file(args.draft_adapter, "--draft-adapter")
+        config = _checked_files(args, model_name)
         device = _device(args)
         Path(args.output).mkdir(parents=True, exist_ok=True)
     except ValueError as error:  # PromptFileError included: its message names the file and line
@@ -423,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:  # a tuned profile that does not fit this model, an unknown name
         return _fail(error)
     command = {key: value for key, value in vars(args).items() if key != "func"}
+    if args.batch_size:
+        return run_batches(model, tokenizer, prompts, contenders, args, command)
     # A scheduler's SIGTERM (a job's time limit, `timeout`) stops the run as Ctrl-C does, so the
     # prompts already measured are written rather than lost.
     previous_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)

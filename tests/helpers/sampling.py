@@ -35,18 +35,18 @@ def _warped_probabilities(logits: torch.Tensor, eos_token_id: int) -> torch.Tens
 
 
 @torch.no_grad()
-def exact_joint(model, decoder: SkippingDecoder | None = None) -> np.ndarray:
+def exact_joint(model, decoder: SkippingDecoder | None = None, prompt: torch.Tensor = PROMPT) -> np.ndarray:
     """P(new tokens | prompt) over all VOCAB**NEW_TOKENS continuations, in itertools.product order;
     the model's, or with `decoder` in place of its own, its draft's."""
     continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS)))
-    sequences = torch.cat([PROMPT.expand(len(continuations), -1), continuations], dim=1)
+    sequences = torch.cat([prompt.expand(len(continuations), -1), continuations], dim=1)
     if decoder is None:
         logits = model(sequences, use_cache=False).logits
     else:
         positions = torch.arange(sequences.shape[1]).expand_as(sequences)
         logits = model.get_output_embeddings()(decoder(sequences, positions, None))
     probabilities = _warped_probabilities(logits, model.config.eos_token_id)
-    start = PROMPT.shape[1] - 1
+    start = prompt.shape[1] - 1
     joint = torch.ones(len(continuations))
     for offset in range(NEW_TOKENS):
         joint *= probabilities[torch.arange(len(continuations)), start + offset, continuations[:, offset]]
@@ -63,6 +63,29 @@ def sample_counts(model, seed: int, **strategy_kwargs) -> np.ndarray:
         for token in output[0, PROMPT.shape[1]:].tolist():
             index = index * VOCAB + token
         counts[index] += 1
+    return counts
+
+
+# A batch of three left-padded prompts of ragged lengths, each repeating itself (for lookup).
+BATCH_PROMPTS = [PROMPT[0].tolist(), [2, 3, 1, 2], [3, 1, 3, 1, 3]]
+
+
+def batch_sample_counts(model, seed: int, **strategy_kwargs) -> list[np.ndarray]:
+    """`sample_counts` for each row of `BATCH_PROMPTS`, sampled together in one batch per draw."""
+    width = max(len(prompt) for prompt in BATCH_PROMPTS)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in BATCH_PROMPTS])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in BATCH_PROMPTS])
+    torch.manual_seed(seed)
+    counts = [np.zeros(VOCAB**NEW_TOKENS) for _ in BATCH_PROMPTS]
+    for _ in range(SAMPLES):
+        output = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE, top_k=TOP_K,
+                                top_p=1.0, pad_token_id=0, **strategy_kwargs)
+        for row, row_counts in zip(output[:, width:].tolist(), counts):
+            index = 0
+            for token in row:
+                index = index * VOCAB + token
+            row_counts[index] += 1
     return counts
 
 

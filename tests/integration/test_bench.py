@@ -960,3 +960,37 @@ def test_each_stream_starts_its_contenders_online_corpus_empty(tiny_model, monke
     measure(model, tokenizer, prompts, contenders, max_new_tokens=4, repeats=2, progress=False)
     # Each stream's first request finds the corpus empty; the third has learned from two.
     assert 0 in seen and max(seen) == 2 and corpus.texts == 3
+
+
+def test_batch_sizes_measure_whole_batches_per_category_against_plain_batched(tiny_llama_dir, tmp_path, capsys):
+    """`--batch-size 1,2`: each category's prompts a batch at a time, ours against plain batched
+    generate and against themselves at batch one; transformers' lookup refuses a batch and is
+    left out."""
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"id": f"{kind}{i}", "prompt": f"{kind} number {i}: " + "one two three " * (i + 1), "category": kind}
+            for kind in ("code", "chat") for i in range(3)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    output = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_llama_dir), "--prompts", str(path), "--output", str(output),
+            "--contenders", "prompt_lookup,self_speculative", "--batch-size", "1,2", "--max-new-tokens", "8",
+            "--repeats", "1", "--device", "cpu"]
+    assert main(argv) == 0
+    results = json.loads((output / "batches.json").read_text())
+    assert sorted(results["sizes"]) == ["1", "2"]
+    two = results["sizes"]["2"]
+    assert two["batches"] == 4  # two categories of three prompts: a batch of two and one of one each
+    assert sorted(two["contenders"]) == [BASELINE, "self_speculative"]
+    ours = two["contenders"]["self_speculative"]
+    assert ours["consistency"] == "identical" and ours["speedup"] > 0 and ours["vs_batch_one"] > 0
+    assert sorted(ours["categories"]) == ["chat", "code"]
+    assert "vs_batch_one" not in results["sizes"]["1"]["contenders"]["self_speculative"]
+    printed = capsys.readouterr().out
+    assert "batch size 2: 4 batches" in printed and "x plain batched" in printed
+
+
+def test_batch_sizes_refuse_sampling_and_a_bad_list(tiny_llama_dir, tmp_path, capsys):
+    argv = ["bench", "--model", str(tiny_llama_dir), "--output", str(tmp_path / "out")]
+    assert main([*argv, "--batch-size", "4", "--do-sample"]) == 2
+    assert "--batch-size measures greedy decoding" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--batch-size", "4,0"])

@@ -129,6 +129,47 @@ def test_threads_sharing_one_model_decode_as_each_call_alone(shared):
     assert not different, f"{len(different)} of {len(together)} calls decoded differently: {different}"
 
 
+def _batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two to four prompts of ragged lengths, left-padded with token 0."""
+    generator = torch.Generator().manual_seed(200 + index)
+    lengths = [3 + (index + row * 5) % 9 for row in range(2 + index % 3)]
+    width = max(lengths)
+    input_ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(10, 4000, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
+def test_threads_each_decoding_a_batch_decode_as_plain_batched_decoding(shared):
+    """Concurrent calls, each with its own batch: every row of every call is what plain batched
+    decoding gives it, whatever the other threads decode meanwhile."""
+    model, tokenizer, adapter, folder = shared
+    calls = _calls(adapter, folder)
+    kinds = ["self_speculative", "adaptive_draft_exit", "target_confidence_gated", "kangaroo", "profile",
+             "custom_generate_kangaroo"]
+    batches = 5
+    jobs = [[(kinds[(t + c) % len(kinds)], (t * 3 + c) % batches) for c in range(4)] for t in range(THREADS)]
+
+    def decode(name: str, index: int) -> list[list[int]]:
+        input_ids, attention_mask = _batch(index)
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0, **calls[name]).tolist()
+
+    plain = {index: decode("plain", index) for index in range(batches)}
+    barrier = threading.Barrier(THREADS)
+
+    def run(thread_jobs):
+        barrier.wait()
+        return [(name, index, decode(name, index)) for name, index in thread_jobs]
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        together = [result for results in pool.map(run, jobs) for result in results]
+    different = [(name, index) for name, index, rows in together if rows != plain[index]]
+    assert not different, f"{len(different)} of {len(together)} batched calls decoded differently: {different}"
+
+
 def _model_state(model) -> dict[str, dict]:
     """Per module: what its `__dict__` holds (identity of each value, contents of each dict of
     hooks, parameters, buffers and sub-modules), which includes any `forward` set on it."""

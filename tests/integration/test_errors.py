@@ -75,7 +75,6 @@ def test_parameters_from_generation_config_are_validated(model):
         ({"cache_implementation": "static"}, "'static' cache"),
         ({"use_cache": False}, "use_cache=False"),
         ({"output_attentions": True}, "attentions"),
-        ({"num_return_sequences": 2, "do_sample": True}, "batch of 2"),
         # Stateful processors, which plain decoding calls once per token, in order.
         ({"guidance_scale": 1.5}, "classifier-free guidance"),
         ({"watermarking_config": SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)}, "SynthID"),
@@ -93,18 +92,32 @@ def test_a_prompt_transformers_would_pad_raises_unless_its_mask_is_given(archite
     passed; a strategy attends to every token, so it must refuse rather than differ from plain."""
     model = tiny_model(architecture)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 3, 1
-    for mask in (None, torch.tensor([[1, 1, 0, 1]])):
-        with pytest.raises(ValueError, match="cannot decode a padded input .*attention_mask=torch.ones_like"):
-            _generate(model, attention_mask=mask)
+    with pytest.raises(ValueError, match="attention_mask transformers inferred .*pad on the left.*torch.ones_like"):
+        _generate(model)
+    with pytest.raises(ValueError, match="this attention_mask: row 0 has zeros after its first one"):
+        _generate(model, attention_mask=torch.tensor([[1, 1, 0, 1]]))
     ones = torch.ones_like(PROMPT)
     expected = model.generate(PROMPT, attention_mask=ones, max_new_tokens=12, do_sample=False, strategy="plain")
     ours = model.generate(PROMPT, attention_mask=ones, max_new_tokens=12, do_sample=False, strategy="self_speculative")
     assert ours.tolist() == expected.tolist()
 
 
-def test_batches_raise_a_clear_error(model):
-    with pytest.raises(ValueError, match="batch of 2 sequences"):
-        model.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=3, strategy="adaptive_draft_exit")
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prefix_allowed_tokens_fn": lambda batch_id, ids: [1, 2]}, "prefix_allowed_tokens_fn"),
+        ({"assistant_model": tiny_model("llama", seed=1), "strategy": "target_confidence_gated"}, "assistant_model"),
+    ],
+)
+def test_what_a_batch_cannot_do_raises_a_clear_error(model, kwargs, message):
+    kwargs = {"strategy": "adaptive_draft_exit", **kwargs}
+    with pytest.raises(ValueError, match=f"batch of 2 .*{message}"):
+        model.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=3, **kwargs)
+
+
+def test_sampled_return_sequences_decode_as_a_batch(model):
+    output = _generate(model, num_return_sequences=3, do_sample=True)
+    assert output.shape[0] == 3
 
 
 def test_strategy_parameters_without_strategy(model):

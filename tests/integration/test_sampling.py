@@ -20,7 +20,8 @@ from hf_selfspec.layer_skip import SkippingDecoder
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.verifier import verify
 from helpers.sampling import (
-    NEW_TOKENS, PROMPT, TEMPERATURE, TOP_K, VOCAB, exact_joint, goodness_of_fit, sample_counts, sampling_model,
+    BATCH_PROMPTS, NEW_TOKENS, PROMPT, TEMPERATURE, TOP_K, VOCAB, batch_sample_counts, exact_joint, goodness_of_fit,
+    sample_counts, sampling_model,
 )
 
 SKIP = dict(attn_skip_layers=[1, 2, 3], mlp_skip_layers=[1, 2, 3])
@@ -56,6 +57,16 @@ CASES = {
 def test_first_tokens_follow_the_plain_sampling_distribution(model, case):
     counts = sample_counts(model, seed=2024, **CASES[case])
     assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["self_speculative", "adaptive_lookup", "lookup_behind_closed_gate",
+                                  "restricted_draft_head"])
+def test_each_row_of_a_batch_follows_its_own_plain_sampling_distribution(model, case):
+    """Three left-padded prompts of ragged lengths sampled together: each row's first tokens
+    follow the distribution plain sampling gives that prompt alone."""
+    counts = batch_sample_counts(model, seed=2024, **CASES[case])
+    for row, prompt in enumerate(BATCH_PROMPTS):
+        assert goodness_of_fit(counts[row], exact_joint(model, prompt=torch.tensor([prompt]))) > 1e-3, row
 
 
 @pytest.mark.parametrize("case", ["self_speculative", "prompt_lookup", "target_confidence_gated", "alternatives"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.greedy import ragged_batch
 from helpers.tiny_models import tiny_model
 
 import hf_selfspec
@@ -88,6 +89,24 @@ def test_packaged_code_decodes_like_the_installed_plugin(config_file, tmp_path):
             assert getattr(packaged.strategy_stats, name) == getattr(installed.strategy_stats, name), name
         assert packaged.strategy_stats.drafted_tokens > 0
         assert type(model) is enabled_class
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_packaged_code_decodes_a_batch_as_plain_batched_decoding(config_file, tmp_path, architecture):
+    """`custom_generate` under a batch: left-padded rows of ragged lengths, some stopping at their
+    EOS, each row what plain batched greedy decoding gives it."""
+    folder = str(package(config_file, tmp_path / "out").folder)
+    model = tiny_model(architecture, initializer_range=0.3)
+    for rows in (2, 3, 8):
+        input_ids, attention_mask = ragged_batch(96, rows)
+        common = {"attention_mask": attention_mask, "max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+        plain = model.generate(input_ids, **common, strategy="plain")
+        eos = int(plain[0, input_ids.shape[1] + 4])
+        plain = model.generate(input_ids, **common, eos_token_id=eos, strategy="plain")
+        packaged = model.generate(input_ids, **common, eos_token_id=eos, custom_generate=folder, trust_remote_code=True,
+                                  return_dict_in_generate=True)
+        assert packaged.sequences.tolist() == plain.tolist()
+        assert packaged.strategy_stats.strategy == PROFILE["strategy"]
 
 
 def test_a_model_config_without_profiles_uses_the_packaged_ones(config_file, tmp_path):

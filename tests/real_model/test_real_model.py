@@ -189,3 +189,46 @@ def test_the_online_corpus_keeps_decoding_lossless(smollm2):
                                 online_corpus=key, **case_kwargs(model, "amx_default_profile"))
         assert_consistent(output, plain, inputs, model.dtype, prompt_id)
     assert corpus.texts == 2 * len(cases)
+
+
+# Cases that decode a batch: a skip set, lookup, the shipped adapter, corpus and default profiles.
+BATCH_CASES = ["self_speculative", "prompt_lookup", "kangaroo_shipped_adapter", "amx_default_profile",
+               "lookup_corpus_shipped"]
+
+
+@pytest.fixture(scope="module", params=sorted(DTYPES))
+def smollm2_batch(request):
+    """A batch of four workload prompts of four kinds (held out), left-padded, with plain batched
+    greedy's tokens and logits."""
+    from hf_selfspec.prompts import HELD_OUT_SPLIT, WORKLOAD, encode_batch
+
+    dtype = DTYPES[request.param]
+    model, tokenizer = hf_selfspec.load_embedded(dtype=dtype, generation_config=None)
+    prompts, kinds = [], set()
+    for prompt in load_prompts(WORKLOAD, split=HELD_OUT_SPLIT):
+        if prompt.category not in kinds and len(prompts) < 4:
+            prompts.append(prompt)
+            kinds.add(prompt.category)
+    inputs = encode_batch(tokenizer, prompts)
+    common = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    plain = model.generate(**inputs, **common, strategy="plain", return_dict_in_generate=True, output_logits=True)
+    return model, inputs, common, plain
+
+
+@pytest.mark.parametrize("case", BATCH_CASES)
+def test_a_batch_of_workload_prompts_reproduces_plain_batched_greedy(smollm2_batch, case):
+    """Every row as plain batched greedy decoding gives it in the same batch: identical in
+    float32, consistent row by row in bfloat16."""
+    model, inputs, common, plain = smollm2_batch
+    output = model.generate(**inputs, **common, return_dict_in_generate=True, **case_kwargs(model, case))
+    assert output.strategy_stats.drafted_tokens > 0
+    length = inputs["input_ids"].shape[1]
+    for row in range(inputs["input_ids"].shape[0]):
+        logits = [step[row] for step in plain.logits]
+        check = check_greedy_consistency(
+            output.sequences[row, length:].tolist(), plain.sequences[row, length:].tolist(), logits, model.dtype
+        )
+        assert check.consistent, (case, row, check)
+    if model.dtype == torch.float32:
+        assert output.sequences.tolist() == plain.sequences.tolist(), case
+

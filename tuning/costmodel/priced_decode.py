@@ -76,7 +76,7 @@ class _KnownVerifier:
         chosen = rows[known]
         logits[known] = self.rest[chosen, None].expand(-1, self.vocab_size)
         logits[known, self.tokens[chosen]] = self.peak[chosen]
-        return logits, None
+        return logits[None], None  # one text
 
 
 class PricedClock(WallClock):
