@@ -124,7 +124,6 @@ class Batch:
             for i, parts in enumerate(row_parts)
         ]
         self.active = [row for row in self.rows if row.state.length < row.end]
-        self.paddings = torch.tensor(paddings, device=input_ids.device)
         # The padding every row of the prompt shares stays, as plain decoding keeps it: a
         # batch of one is left as plain decoding leaves it.
         self.common_padding = min(paddings)
