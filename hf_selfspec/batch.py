@@ -124,7 +124,6 @@ class Batch:
             for i, parts in enumerate(row_parts)
         ]
         self.active = [row for row in self.rows if row.state.length < row.end]
-        self.paddings = torch.tensor(paddings, device=input_ids.device)
         # The padding every row of the prompt shares stays, as plain decoding keeps it: a
         # batch of one is left as plain decoding leaves it.
         self.common_padding = min(paddings)
@@ -139,25 +138,27 @@ class Batch:
 
     def verification_inputs(self, drafts: list[Draft], kv_length: int, model, cache: DraftAwareCache):
         """`(input_ids, position_ids, attention_mask)` verifying each active row's committed
-        tokens without KV and its draft, at the cache's columns from `kv_length` on."""
+        tokens without KV and its draft, at the cache's columns from `kv_length` on. A batch's
+        drafts are verified without their runner-ups, which are dropped here."""
         if len(self.rows) == 1:
             state, draft = self.active[0].state, drafts[0]
             return verification_inputs(
                 state.sequence, state.positions, kv_length, state.length, len(draft.tokens), draft.alternatives,
                 model, cache,
             )
-        device = self.sequences.device
-        fresh = self.fresh
+        fresh, device = self.fresh, self.sequences.device
         width = fresh + max(len(draft.tokens) for draft in drafts)
-        lengths = torch.tensor([row.state.length for row in self.active], device=device)
-        last = torch.tensor([fresh + len(draft.tokens) - 1 for draft in drafts], device=device)
-        steps = torch.arange(width, device=device)
-        # A row whose draft is shorter repeats its last input: its later inputs are padding.
-        index = lengths[:, None] - fresh + torch.minimum(steps[None, :], last[:, None])
-        rows = torch.tensor([row.index for row in self.active], device=device)
-        input_ids = self.sequences[rows[:, None], index]
-        positions = (lengths - fresh - self.paddings[rows])[:, None] + steps[None, :]
-        return input_ids, positions.clamp(min=0), cache.padding_mask(kv_length + width, device)
+        rows, columns, positions = [], [], []
+        for row, draft in zip(self.active, drafts):
+            draft.alternatives = []
+            first, last = row.state.length - fresh, fresh + len(draft.tokens) - 1
+            # a row whose draft is shorter repeats its last input: its later inputs are padding
+            columns.append([first + min(step, last) for step in range(width)])
+            positions.append([max(first + step - row.padding, 0) for step in range(width)])
+            rows.append([row.index])
+        input_ids = self.sequences[torch.tensor(rows, device=device), torch.tensor(columns, device=device)]
+        position_ids = torch.tensor(positions, device=device)
+        return input_ids, position_ids, cache.padding_mask(kv_length + width, device)
 
     def commit(self, verdicts: list[Verdict], stopping_criteria: StoppingCriteriaList, keep_scores: bool) -> list[int]:
         """Commit each active row's verdict, each stopping where plain decoding would stop it:

@@ -30,8 +30,9 @@ NextLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def _model_next_logits(model: nn.Module, cache: DraftAwareCache) -> NextLogits:
     def next_logits(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # An assistant model may sit on another device than the text (no copies where it does not).
+        padding = cache.padding_mask(cache.get_seq_length() + input_ids.shape[1], model.device)
         return model(
-            input_ids=input_ids.to(model.device), position_ids=position_ids.to(model.device),
+            input_ids=input_ids.to(model.device), position_ids=position_ids.to(model.device), attention_mask=padding,
             **cache_keyword(cache), use_cache=True, logits_to_keep=1,
         ).logits[:, -1].to(input_ids.device)
 
@@ -39,12 +40,15 @@ def _model_next_logits(model: nn.Module, cache: DraftAwareCache) -> NextLogits:
 
 
 def _inputs(states: list[DecodingState], ends: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(input_ids, position_ids)`: each row's `width` tokens before its `ends` entry."""
+    """`(input_ids, position_ids)`: each row's `width` tokens before its `ends` entry; in a batch,
+    a row with fewer repeats its first where the columns before it are its padding."""
     if len(states) == 1:  # views, no copies
         return states[0].sequence[:, ends[0] - width : ends[0]], states[0].positions[:, ends[0] - width : ends[0]]
+    device = states[0].sequence.device
+    index = [(torch.arange(end - width, end, device=device)).clamp(min=0) for end in ends]
     return (
-        torch.cat([state.sequence[:, end - width : end] for state, end in zip(states, ends)]),
-        torch.cat([state.positions[:, end - width : end] for state, end in zip(states, ends)]),
+        torch.cat([state.sequence[:, columns] for state, columns in zip(states, index)]),
+        torch.cat([state.positions[:, columns] for state, columns in zip(states, index)]),
     )
 
 
@@ -299,21 +303,51 @@ class ShallowExitDrafter(Drafter):
 
 class AssistantDrafter(Drafter):
     """A separate small model with its own cache, catching up on whatever was committed since
-    it last drafted (plain steps under a closed gate included)."""
+    it last drafted (plain steps under a closed gate included).
 
-    def __init__(self, assistant: nn.Module):
-        self.assistant = assistant
-        self.cache = DraftAwareCache(assistant.config)
-        self.next_logits = _model_next_logits(assistant, self.cache)
+    In a batch its cache's columns are the shared cache's (`shared`), and it moves as they move.
+    It then keeps every key, a sliding window's too (the mask applies the window): a row moved
+    right must still find the keys its window reaches. A row's moved entries that fall past the
+    end of what every row has right are fed again, with the rest of the catch-up."""
+
+    def __init__(self, assistant: nn.Module, shared: DraftAwareCache | None = None):
+        self.assistant, self.shared = assistant, shared
+        self.cache: DraftAwareCache | None = None  # made at the first draft, for one text or a batch
         self.kv_length = 0
+        self.right: list[int] = []  # per row, how many of the cache's columns hold that row's own KV
 
     def propose(self, state, max_tokens, exit_policy, selector):
-        draft = _draft_autoregressively(
-            self.next_logits, [state], state.length - self.kv_length, [max_tokens], [exit_policy], [selector]
-        )[0]
-        self.kv_length = state.length + len(draft.tokens) - 1
-        return draft
+        return self.propose_rows([state], [max_tokens], [exit_policy], [selector])[0]
+
+    def propose_rows(self, states, limits, exit_policies, selectors):
+        if self.cache is None:
+            self.cache = DraftAwareCache(self.assistant.config if len(states) == 1 else None)
+        committed = states[0].length - 1 if self.shared is None else self.shared.get_seq_length()
+        self.cache.starts = None if self.shared is None else self.shared.starts
+        drafts = _draft_autoregressively(
+            _model_next_logits(self.assistant, self.cache), states, committed + 1 - self.kv_length, limits,
+            exit_policies, selectors,
+        )
+        self.kv_length = self.cache.get_seq_length()
+        # a row fed its newest committed token and all its drafted tokens but the last
+        self.right = [committed + max(len(draft.tokens), 1) for draft in drafts]
+        return drafts
 
     def rollback(self, committed_kv_length: int) -> None:
-        self.kv_length = min(self.kv_length, committed_kv_length)
+        self.realign(Realignment(committed_kv_length))
+
+    def realign(self, realignment: Realignment) -> None:
+        if self.cache is None:
+            return
+        shifts = realignment.shifts or (0,) * len(self.right)
+        rows = range(len(shifts)) if realignment.kept_rows is None else realignment.kept_rows
+        right = [min(self.right[row] if self.right else self.kv_length, realignment.kv_length - shifts[row]) + shifts[row]
+                 for row in rows]
+        shift_rows(self.cache.layers, realignment.shifts)
+        self.kv_length = min([self.kv_length, realignment.kv_length, *right])
         self.cache.rollback(self.kv_length)
+        keep_rows(self.cache.layers, realignment.kept_rows)
+        dropped = min(realignment.dropped_columns, self.kv_length)
+        drop_columns(self.cache.layers, dropped)
+        self.kv_length -= dropped
+        self.right = []

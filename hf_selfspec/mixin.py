@@ -127,8 +127,6 @@ def _why_not_batched(batch: int, kwargs: dict[str, Any]) -> str | None:
     if kwargs.get("prefix_allowed_tokens_fn") is not None:
         # it is told each text's row in the batch, which a strategy does not know while it verifies
         return f"constrain a batch of {batch} with prefix_allowed_tokens_fn"
-    if kwargs.get("assistant_model") is not None:
-        return f"draft a batch of {batch} with an assistant_model"
     return None
 
 

@@ -217,6 +217,10 @@ class ThroughputBackoff(Backoff):
     still verified: the average says proposals are rejected, but a repeat's acceptance shows
     before verifying it (a reply quoting the question, a list going on as it began), and a
     wait for the next probe missed it.
+    In a batch it weighs the batch's steps (`StepOutcome.of_batch`): the tokens every row
+    committed against the step's seconds, where a step without proposals is a step of plain
+    batched decoding, so speculation goes on only while it commits the batch's tokens faster
+    than plain batched decoding does.
     Lossless either way: it only decides whether to propose.
     """
 

@@ -151,7 +151,7 @@ class Strategy:
                     f"draft_alternatives ({params.draft_alternatives}) must be below the model's vocabulary size ({vocab_size})"
                 )
         if assistant_model is not None:
-            return AssistantDrafter(assistant_model)
+            return AssistantDrafter(assistant_model, cache)
         if self.needs_draft_adapter and not params.draft_adapter:
             raise ValueError(
                 f"strategy {self.name!r} needs draft_adapter=<file>: train one with `hf-selfspec train-adapter`"

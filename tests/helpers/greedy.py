@@ -48,8 +48,9 @@ def assert_same_batched_greedy(
     """Each row of a strategy's batch is the row plain batched greedy decoding gives, in the same
     batch with the same attention mask; `kwargs` that are no strategy parameter (an EOS, stopping
     criteria, processors) go to both."""
-    strategy_kwargs = {name: value for name, value in kwargs.items() if name in PARAM_NAMES}
-    common = {name: value for name, value in kwargs.items() if name not in PARAM_NAMES}
+    ours = PARAM_NAMES | {"assistant_model"}
+    strategy_kwargs = {name: value for name, value in kwargs.items() if name in ours}
+    common = {name: value for name, value in kwargs.items() if name not in ours}
     common.update(attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD)
     expected = model.generate(input_ids, strategy="plain", **common)
     output = model.generate(input_ids, return_dict_in_generate=True, strategy=strategy, **common, **strategy_kwargs)

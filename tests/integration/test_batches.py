@@ -124,9 +124,11 @@ def test_rows_that_reach_eos_stop_and_the_others_go_on(architecture, rows):
     input_ids, attention_mask = ragged_batch(model.config.vocab_size, rows, seed=rows)
     eos = _eos_of_first_row(model, input_ids, attention_mask)
     for strategy in STRATEGIES:
+        # runner-ups are drafted where one row is left, and a batch verifies none
         output, plain = assert_same_batched_greedy(
             model, input_ids, attention_mask, new_tokens=30, eos_token_id=[eos, 95], strategy=strategy,
-            prompt_lookup_tokens=3, draft_exit_threshold=0.0, target_confidence_threshold=0.0, **SKIP,
+            prompt_lookup_tokens=3, draft_exit_threshold=0.0, target_confidence_threshold=0.0, draft_alternatives=2,
+            **SKIP,
         )
     generated = plain[:, input_ids.shape[1] :]
     stopped = (generated == eos).any(dim=1)
@@ -295,3 +297,40 @@ def test_the_quorum_shortens_a_batchs_proposals_and_a_batch_of_one_keeps_its_own
                                               draft_exit_threshold=0.0)[0].strategy_stats.drafted_tokens
            for quorum in (0.0, 1.0)}
     assert one[0.0] == one[1.0] > 0
+
+
+@pytest.mark.parametrize("assistant_architecture", ["llama", "gemma2"])
+def test_an_assistant_model_drafts_for_every_row(assistant_architecture):
+    """The assistant's own cache moves with the rows; a sliding-window assistant keeps the keys
+    a row moved right still needs."""
+    target = tiny_model("qwen2", initializer_range=0.3, seed=3)
+    assistant = tiny_model(assistant_architecture, initializer_range=0.3, seed=4)
+    for rows in (2, 3, 8):
+        input_ids, attention_mask = ragged_batch(96, rows)
+        for knobs in ({"target_confidence_threshold": 0.0}, {"target_confidence_threshold": 0.3,
+                                                               "prompt_lookup_tokens": 3}):
+            output, _ = assert_same_batched_greedy(target, input_ids, attention_mask, strategy="target_confidence_gated",
+                                                   assistant_model=assistant, draft_exit_threshold=0.0, **knobs)
+            assert output.strategy_stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_in_bfloat16_each_row_is_consistent_with_plain_batched_greedy(architecture):
+    """Identical, or first differing where plain batched decoding's own logits for that row tie
+    within the stated rounding."""
+    from hf_selfspec.consistency import check_greedy_consistency
+
+    model = tiny_model(architecture, initializer_range=0.3).to(torch.bfloat16)
+    input_ids, attention_mask = ragged_batch(96, 8)
+    common = dict(attention_mask=attention_mask, max_new_tokens=29, do_sample=False, pad_token_id=PAD,
+                  return_dict_in_generate=True)
+    plain = model.generate(input_ids, strategy="plain", output_logits=True, **common)
+    for knobs in KNOBS:
+        for strategy in STRATEGIES:
+            ours = model.generate(input_ids, strategy=strategy, **SKIP, **knobs, **common)
+            for row in range(8):
+                check = check_greedy_consistency(
+                    ours.sequences[row, input_ids.shape[1] :].tolist(), plain.sequences[row, input_ids.shape[1] :].tolist(),
+                    [step[row] for step in plain.logits], torch.bfloat16,
+                )
+                assert check.consistent, (strategy, knobs, row, check)

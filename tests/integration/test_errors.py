@@ -106,7 +106,6 @@ def test_a_prompt_transformers_would_pad_raises_unless_its_mask_is_given(archite
     "kwargs, message",
     [
         ({"prefix_allowed_tokens_fn": lambda batch_id, ids: [1, 2]}, "prefix_allowed_tokens_fn"),
-        ({"assistant_model": tiny_model("llama", seed=1), "strategy": "target_confidence_gated"}, "assistant_model"),
     ],
 )
 def test_what_a_batch_cannot_do_raises_a_clear_error(model, kwargs, message):
