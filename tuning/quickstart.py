@@ -139,6 +139,8 @@ def demo_rate(runs: Sequence[TimedRun]) -> float:
 
 def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_progress: bool = True) -> int:
     output = output_directory(output, "--output")  # refused now, not after minutes of tuning
+    storage_url = resolve_storage_url(storage_url)
+    storage = open_storage(storage_url)  # a bad storage too, before the model loads to be timed
     started = progress.clock()
     with progress.task("timing a few plain steps"):
         costs = _measure_costs()
@@ -148,14 +150,13 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
         f"{progress.minutes(progress.clock() - started + plan.total)} in all."
     )
     with progress.task("the quickstart", planned_seconds=plan.total):
-        result = _tune_and_export(output, plan, n_trials, storage_url, show_progress)
+        result = _tune_and_export(output, plan, n_trials, storage_url, storage, show_progress)
         return _demo(result)
 
 
-def _tune_and_export(output: Path, plan: QuickstartPlan, n_trials: int, storage_url: str | None,
+def _tune_and_export(output: Path, plan: QuickstartPlan, n_trials: int, storage_url: str, storage,
                      show_progress: bool) -> ExportResult:
     """Steps 1 and 2: a short estimated study on the embedded model, its best trial exported."""
-    storage_url = resolve_storage_url(storage_url)
     config = plan.config
     print(
         f"1/3  Tuning Kangaroo and prompt lookup on the embedded model: estimated trials for "
@@ -165,7 +166,6 @@ def _tune_and_export(output: Path, plan: QuickstartPlan, n_trials: int, storage_
         "`hf-selfspec tune studies/smollm2-135m-workload-general-bf16.toml`).",
         flush=True,
     )
-    storage = open_storage(storage_url)
     existing = optuna.get_all_study_names(storage)
     for name in (QUICKSTART_CONFIG.study.name, estimated_study_name(QUICKSTART_CONFIG.study.name)):
         if name in existing:
