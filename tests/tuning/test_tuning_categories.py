@@ -204,7 +204,7 @@ def test_the_estimated_objective_is_per_category_too(monkeypatch):
     monkeypatch.setattr("hf_selfspec.tuning.costmodel.estimated.draft_predictions", lambda model, data, params: None)
     monkeypatch.setattr(
         "hf_selfspec.tuning.costmodel.estimated.estimate_decode",
-        lambda model, data, params, strategy, draft, cost: (
+        lambda model, data, params, strategy, draft, cost, corpus: (
             SCRIPT[data.prompt.id][1],
             StrategyStats(drafted_tokens=SCRIPT[data.prompt.id][2], accepted_tokens=SCRIPT[data.prompt.id][3]),
         ),
