@@ -86,17 +86,15 @@ class Realignment:
 def shift_rows(layers, shifts: tuple[int, ...]) -> None:
     """Move each row's entries `shifts[row]` columns right in every layer, over the entries the
     layer holds (a window's recorded past included): what falls off the end is the row's
-    rejected draft, and the columns opened at the start hold copies, as padding."""
-    if not any(shifts):
-        return
+    rejected draft, and the columns opened at the start keep what they held, as padding. Only
+    the rows that move are copied, in place."""
+    moving = [(row, by) for row, by in enumerate(shifts) if by]
     for layer in layers:
         if not layer.is_initialized or layer.keys.numel() == 0:
             continue
-        held = layer.keys.shape[-2]
-        by = torch.tensor(shifts, device=layer.keys.device)[:, None]
-        index = (torch.arange(held, device=layer.keys.device)[None, :] - by).clamp(min=0)
-        index = index[:, None, :, None].expand_as(layer.keys)
-        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        for row, by in moving:
+            for entries in (layer.keys, layer.values):
+                entries[row, :, by:] = entries[row, :, :-by].clone()
 
 
 def drop_columns(layers, columns: int) -> None:

@@ -74,8 +74,9 @@ class SpeculationParts:
     """What a strategy composes: who drafts with a model, when drafting stops, whether the model
     drafts, whether to speculate at all, and prompt lookup's sources (None: no lookup). The exit
     policy, the gate and lookup decide per text (`RowParts`): each further row of a batch gets
-    its own from `more_rows` (None: the parts decode one text). It is the step's one choice point
-    (`propose`), and hands every verification's outcome to each part (`learn`)."""
+    its own from `more_rows` (None: the parts decode one text), and a batch's steps are weighed
+    by `batch_backoff` (None: by `backoff`). It is the step's one choice point (`propose`), and
+    hands every verification's outcome to each part (`learn`)."""
 
     drafter: Drafter
     exit_policy: ExitPolicy
@@ -84,10 +85,13 @@ class SpeculationParts:
     lookup: PromptLookup | None = None
     more_rows: Callable[[], RowParts] | None = None
     batch_quorum: float = 0.0  # a batch's proposals are no longer than this share of its rows' (`within_quorum`)
+    batch_backoff: Backoff | None = None
 
     def for_rows(self, count: int) -> list[RowParts]:
         if count > 1 and self.more_rows is None:
             raise ValueError(f"these speculation parts decode one text at a time, not a batch of {count}")
+        if count > 1 and self.batch_backoff is not None:
+            self.backoff = self.batch_backoff
         first = RowParts(self.exit_policy, self.gate, self.lookup)
         return [first] + [self.more_rows() for _ in range(count - 1)]
 

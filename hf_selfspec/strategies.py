@@ -81,6 +81,13 @@ class Strategy:
             return ThroughputBackoff(params.backoff_probe_interval)
         return Backoff()
 
+    def build_batch_backoff(self, params: SelfSpecParams) -> Backoff:
+        """The back-off of a batch. Every row pays for each position that any row proposes, so a
+        batch always weighs speculating against plain batched decoding, even under a profile
+        that never backs one text off (`backoff_probe_interval` 0, where the default interval
+        serves)."""
+        return ThroughputBackoff(params.backoff_probe_interval or SelfSpecParams.backoff_probe_interval)
+
     # Where the text has nothing to copy, the corpus's proposals and the model's drafts are each
     # measured over this many steps before they are compared with the steps without them: a
     # 64-token answer has only a dozen or two such steps, and the loop's eight would spend most
@@ -208,6 +215,7 @@ class Strategy:
             backoff=self.build_backoff(params),
             lookup=first.lookup,
             more_rows=row_parts,
+            batch_backoff=self.build_batch_backoff(params),
             batch_quorum=params.batch_quorum,
         )
 

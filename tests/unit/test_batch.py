@@ -1,5 +1,6 @@
 """A batch's bookkeeping alone: how its rows move in the cache (a sliding window's included), how
-long its proposals may be, and which attention masks it takes. No transformer runs."""
+long its proposals may be, which attention masks it takes, and what weighs its steps. No
+transformer runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from transformers import Gemma3TextConfig
 
 from hf_selfspec.batch import quorum_rows, why_not_left_padded, within_quorum
 from hf_selfspec.cache import DraftAwareCache, Realignment
-from hf_selfspec.decoding_types import Draft
+from hf_selfspec.decoding import RowParts, SpeculationParts
+from hf_selfspec.decoding_types import Draft, ExitPolicy
+from hf_selfspec.params import SelfSpecParams
+from hf_selfspec.policies import Backoff, Gate, ThroughputBackoff
+from hf_selfspec.strategies import resolve_strategy
 
 WINDOW = 4
 
@@ -93,3 +98,21 @@ def test_proposals_are_cut_to_the_length_the_quorum_of_rows_reaches():
 def test_only_left_padding_is_taken(mask, phrase):
     problem = why_not_left_padded(torch.tensor(mask), torch.zeros((2, 3), dtype=torch.long))
     assert problem == phrase if phrase is None else phrase in problem
+
+
+def test_a_batch_weighs_speculating_against_plain_steps_even_where_one_text_never_backs_off():
+    never = SelfSpecParams(backoff_probe_interval=0)
+    strategy = resolve_strategy("self_speculative")
+    assert type(strategy.build_backoff(never)) is Backoff
+    batch_backoff = strategy.build_batch_backoff(never)
+    assert isinstance(batch_backoff, ThroughputBackoff)
+
+    def parts() -> SpeculationParts:
+        return SpeculationParts(None, ExitPolicy(0.5), Gate(), Backoff(), more_rows=lambda: RowParts(ExitPolicy(0.5), Gate()),
+                                batch_backoff=batch_backoff)
+
+    one, batch = parts(), parts()
+    one.for_rows(1)
+    batch.for_rows(3)
+    assert type(one.backoff) is Backoff
+    assert batch.backoff is batch_backoff
