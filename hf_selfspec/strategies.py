@@ -85,8 +85,10 @@ class Strategy:
         """The back-off of a batch. Every row pays for each position that any row proposes, so a
         batch always weighs speculating against plain batched decoding, even under a profile
         that never backs one text off (`backoff_probe_interval` 0, where the default interval
-        serves)."""
-        return ThroughputBackoff(params.backoff_probe_interval or SelfSpecParams.backoff_probe_interval)
+        serves), and measures speculation over as few first steps as a source without a match
+        (`UNMATCHED_FIRST_STEPS`): a losing step there costs every row at once."""
+        interval = params.backoff_probe_interval or SelfSpecParams.backoff_probe_interval
+        return ThroughputBackoff(interval, self.UNMATCHED_FIRST_STEPS)
 
     # Where the text has nothing to copy, the corpus's proposals and the model's drafts are each
     # measured over this many steps before they are compared with the steps without them: a

@@ -106,6 +106,7 @@ def test_a_batch_weighs_speculating_against_plain_steps_even_where_one_text_neve
     assert type(strategy.build_backoff(never)) is Backoff
     batch_backoff = strategy.build_batch_backoff(never)
     assert isinstance(batch_backoff, ThroughputBackoff)
+    assert batch_backoff.modes.first_favoured_steps == strategy.UNMATCHED_FIRST_STEPS
 
     def parts() -> SpeculationParts:
         return SpeculationParts(None, ExitPolicy(0.5), Gate(), Backoff(), more_rows=lambda: RowParts(ExitPolicy(0.5), Gate()),
