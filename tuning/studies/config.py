@@ -355,6 +355,9 @@ def load_study_config(path: str | Path) -> StudyConfig:
     )
     if config.prompts.batch_size > 1 and config.study.objective == "estimated":
         raise reader.error("prompts.batch_size", ESTIMATED_BATCHES)
+    if "batch_quorum" in config.search.ranges and config.prompts.batch_size == 1:
+        # A batch of one is never cut to a quorum: every trial would measure the same decode.
+        raise reader.error("search.batch_quorum", "is read only in a batch: set prompts.batch_size above 1")
     return config
 
 
