@@ -68,6 +68,7 @@ class Strategy:
         "online_corpus_min_prob",
         "online_corpus_max_tokens",
         "online_corpus_min_context",
+        "batch_quorum",
     )
 
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:

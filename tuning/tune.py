@@ -28,12 +28,18 @@ from hf_selfspec.tuner_api import adapter_digest, cache_root
 
 from . import TuningError, progress
 from .studies.categories import describe_categories, is_feasible
-from .studies.config import StudyConfig, check_adapters_fit
+from .studies.config import ESTIMATED_BATCHES, StudyConfig, check_adapters_fit
 from .studies.dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
 from .costmodel import check_supported, estimated_objective, record_cost_model, teacher_force
-from .studies.objective import LosslessViolation, SpeedupObjective, prepare_prompts, save_learned_corpus
+from .studies.objective import (
+    LosslessViolation,
+    SpeedupObjective,
+    batch_members,
+    prepare_prompts,
+    save_learned_corpus,
+)
 from .studies.space import warm_start_trials
-from .studies.study_prompts import select_study_prompts
+from .studies.study_prompts import batch_prompts, select_study_prompts
 from .studies.storage import (
     StudyContext,
     create_or_load_study,
@@ -186,6 +192,8 @@ def run_tune(
     storage = open_storage(storage_url, config.study.heartbeat_interval, config.study.grace_period)
     if config.search.strategy not in available_strategies():
         raise TuningError(f"strategy {config.search.strategy!r} is not available; have {available_strategies()}")
+    if config.study.objective == "estimated" and config.prompts.batch_size > 1:  # a config built in Python
+        raise TuningError(f"prompts.batch_size = {config.prompts.batch_size}: {ESTIMATED_BATCHES}")
     try:
         prompts = select_study_prompts(config.prompts)
     except ValueError as error:
@@ -213,12 +221,15 @@ def run_tune(
         "do_sample": False,
         "pad_token_id": tokenizer.pad_token_id,
     }
+    batches = batch_prompts(prompts, config.prompts.batch_size)
+    unit = "prompts" if config.prompts.batch_size == 1 else "batches"
     prepared, baseline_tps = prepare_prompts(
-        model, tokenizer, progress.counting(prompts, "decoding the prompts plainly", "prompts"), generate_kwargs
+        model, tokenizer, progress.counting(batches, "decoding the prompts plainly", unit), generate_kwargs
     )
     context = dataclasses.replace(context, baseline_tokens_per_second=baseline_tps)
     if True in config.search.online_corpus:
-        learned = save_learned_corpus(model, prepared, cache_root() / "online-corpora" / re.sub(r"[^\w.-]+", "-", measured_name))
+        corpus_path = cache_root() / "online-corpora" / re.sub(r"[^\w.-]+", "-", measured_name)
+        learned = save_learned_corpus(model, batch_members(prepared), corpus_path)
         context = dataclasses.replace(context, online_corpus_file=str(learned), online_corpus_digest=adapter_digest(learned))
     context.save(study)
     write_study_note(study)
@@ -280,6 +291,7 @@ def _study_context(config: StudyConfig, model, device_key: str, num_layers: int,
         prompt_split=config.prompts.split or "",
         prompts_per_category=config.prompts.per_category or 0,
         category_floor=config.study.category_floor or 0.0,
+        batch_size=config.prompts.batch_size,
     )
 
 
@@ -324,7 +336,7 @@ def _estimating(model, prepared, config: StudyConfig, num_layers: int, generate_
     print("Timing the forward passes for the cost model...", flush=True)
     forced = [
         teacher_force(model, prompt, config.prompts.max_new_tokens)
-        for prompt in progress.counting(prepared, "teacher-forcing the prompts", "prompts")
+        for prompt in progress.counting(batch_members(prepared), "teacher-forcing the prompts", "prompts")
     ]
     max_draft = int(config.search.range_of("max_draft_tokens")[1])
     max_alternatives = int(config.search.range_of("draft_alternatives")[1])
@@ -381,8 +393,8 @@ def confirm_estimates(
     )
     fixed = [optuna.trial.FixedTrial(trial.params) for trial, _ in pending]
     disable = None if show_progress else True  # None: no bar where stderr is not a terminal
-    with tqdm(total=len(measuring.prompts), unit="prompt", desc="confirming", disable=disable) as bar, \
-            progress.task("confirming", total=len(measuring.prompts), unit="prompts"):
+    with tqdm(total=len(measuring.batches), unit="prompt", desc="confirming", disable=disable) as bar, \
+            progress.task("confirming", total=len(measuring.batches), unit="prompts"):
         outcomes = measuring.measure_side_by_side(
             fixed, lambda: (bar.update(1), progress.advance()), config.study.confirm_rounds
         )

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..consistency import check_greedy_consistency
-from ..measure import timed
+from ..measure import timed, until_end
 from ..prompts import Prompt, encode_batch, encode_prompt
 from ..stats import geometric_mean
 from .contenders import BASELINE, HF_SELFSPEC, Contender
@@ -59,11 +59,7 @@ def batches_of(prompts: Sequence[Prompt], size: int) -> list[tuple[str, list[Pro
 
 def _rows(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> list[list[int]]:
     """Each row's new tokens up to its end: its first EOS, included, or the last token."""
-    rows = []
-    for row in sequences[:, prompt_width:].tolist():
-        end = next((index + 1 for index, token in enumerate(row) if token in eos), len(row))
-        rows.append(row[:end])
-    return rows
+    return [until_end(row, eos) for row in sequences[:, prompt_width:].tolist()]
 
 
 def _decode(model, inputs: dict[str, torch.Tensor], common: dict, kwargs, logits: bool = False):

@@ -170,7 +170,7 @@ class ScriptedConfirmation:
     """Stands in for `SpeedupObjective` when confirming estimates: every trial takes its
     estimate's parameters and measures `speedup`, or, `killed`, the run is interrupted first."""
 
-    prompts = ()
+    batches = ()
 
     def __init__(self, num_layers: int, speedup: float = 1.2, killed: bool = False):
         self.num_layers, self.speedup, self.killed = num_layers, speedup, killed

@@ -31,11 +31,14 @@ SHARED = (
 # Declared by every strategy since, but asked for only in a trial that switches the online corpus
 # on: a study that never does draws what it drew before.
 ONLINE = ("online_corpus_min_prob", "online_corpus_max_tokens", "online_corpus_min_context")
+# Declared by every strategy since, and asked for in every trial: fixed at its default unless a
+# batched study gives it a range, where a single value draws nothing from a seeded sampler.
+BATCH = ("batch_quorum",)
 BUILT_IN_KNOBS = {
-    "self_speculative": SHARED,
-    "adaptive_draft_exit": SHARED + ("target_acceptance", "threshold_step"),
-    "target_confidence_gated": SHARED + ("target_confidence_threshold",),
-    "kangaroo": SHARED,
+    "self_speculative": SHARED + BATCH,
+    "adaptive_draft_exit": SHARED + BATCH + ("target_acceptance", "threshold_step"),
+    "target_confidence_gated": SHARED + BATCH + ("target_confidence_threshold",),
+    "kangaroo": SHARED + BATCH,
 }
 
 

@@ -69,14 +69,15 @@ class SpeedupTotals:
     prompts: int = 0
 
     def add(
-        self, baseline: tuple[float, int], candidate: tuple[float, int], stats: StrategyStats | None
+        self, baseline: tuple[float, int], candidate: tuple[float, int], stats: StrategyStats | None, prompts: int = 1
     ) -> None:
-        """`baseline` and `candidate`: each decode's (seconds, generated tokens)."""
+        """`baseline` and `candidate`: each decode's (seconds, generated tokens), of `prompts`
+        prompts decoded at once."""
         self.baseline_seconds += baseline[0]
         self.baseline_tokens += baseline[1]
         self.candidate_seconds += candidate[0]
         self.candidate_tokens += candidate[1]
-        self.prompts += 1
+        self.prompts += prompts
         if stats is not None:
             self.draft.add(stats)
 
@@ -111,10 +112,12 @@ class CategorySpeedups:
         baseline: tuple[float, int],
         candidate: tuple[float, int],
         stats: StrategyStats | None,
+        prompts: int = 1,
     ) -> None:
-        """One prompt's plain and candidate decodes, each as (seconds, generated tokens)."""
+        """One prompt's plain and candidate decodes, each as (seconds, generated tokens), or a
+        batch's of `prompts` prompts (its tokens those of all its rows)."""
         for totals in (self.overall, self.totals.setdefault(category or UNCATEGORISED, SpeedupTotals())):
-            totals.add(baseline, candidate, stats)
+            totals.add(baseline, candidate, stats, prompts)
 
     @property
     def value(self) -> float:

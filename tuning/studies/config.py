@@ -33,6 +33,11 @@ OBJECTIVES = ("measured", "estimated")
 PRUNERS = ("median", "none")
 # Prompts per trial from HumanEval or a JSONL file when the config does not say.
 DEFAULT_N_PROMPTS = 8
+# Why a batched study cannot be estimated: the cost model prices one row's decode.
+ESTIMATED_BATCHES = (
+    "the estimated objective prices a decode of one prompt, not of a batch; tune a batch_size above 1 "
+    'with objective = "measured"'
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ class PromptConfig:
     split: str | None = None
     # The first this many prompts of each category (`study_prompts`).
     per_category: int | None = None
+    # How many prompts of one category a trial decodes at once, as one batch (`batch_prompts`):
+    # what a profile speculates on at that batch size is then what the study weighs.
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,7 @@ def _prompts(reader: TomlReader) -> PromptConfig:
         max_new_tokens=reader.at_least(table, "prompts", "max_new_tokens", 1, defaults.max_new_tokens),
         split=_split(reader, table, source),
         per_category=per_category,
+        batch_size=reader.at_least(table, "prompts", "batch_size", 1, defaults.batch_size),
     )
 
 
@@ -341,7 +350,15 @@ def _study(reader: TomlReader) -> StudySettings:
 
 def load_study_config(path: str | Path) -> StudyConfig:
     reader = read_toml_config(path, _SECTIONS, "study config")
-    return StudyConfig(model=read_model_section(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader))
+    config = StudyConfig(
+        model=read_model_section(reader), prompts=_prompts(reader), search=_search(reader), study=_study(reader)
+    )
+    if config.prompts.batch_size > 1 and config.study.objective == "estimated":
+        raise reader.error("prompts.batch_size", ESTIMATED_BATCHES)
+    if "batch_quorum" in config.search.ranges and config.prompts.batch_size == 1:
+        # A batch of one is never cut to a quorum: every trial would measure the same decode.
+        raise reader.error("search.batch_quorum", "is read only in a batch: set prompts.batch_size above 1")
+    return config
 
 
 def check_adapters_fit(search: SearchConfig, model) -> None:

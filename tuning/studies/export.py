@@ -133,6 +133,8 @@ def best_profile(study, context: StudyContext, trial_number: int | None = None) 
             "max_new_tokens": context.max_new_tokens,
             **({"split": context.prompt_split} if context.prompt_split else {}),
             **({"per_category": context.prompts_per_category} if context.prompts_per_category else {}),
+            # The batch the speedup was measured on; left out, one prompt at a time.
+            **({"batch_size": context.batch_size} if context.batch_size > 1 else {}),
         },
         "study": study.study_name,
         "trial": best.number,

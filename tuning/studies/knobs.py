@@ -72,6 +72,10 @@ KNOBS: dict[str, Knob] = {
         Knob("online_corpus_min_prob", float, _fixed_at_default("online_corpus_min_prob"), (0.0, 1.0)),
         Knob("online_corpus_max_tokens", int, _fixed_at_default("online_corpus_max_tokens"), (1, None)),
         Knob("online_corpus_min_context", int, _fixed_at_default("online_corpus_min_context"), (1, None)),
+        # The share of a batch's rows that must want a longer proposal for the batch to have one:
+        # read only where a batch has more than one row, so searched only where a batched study
+        # gives it a range.
+        Knob("batch_quorum", float, _fixed_at_default("batch_quorum"), (0.0, 1.0)),
     )
 }
 

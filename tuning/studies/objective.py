@@ -9,12 +9,17 @@ decodes of each prompt, the order rotating over all of them. Every candidate's t
 compared with plain greedy decoding's: the strategies are lossless by design, so a difference
 is a bug, and the trial fails loudly instead of reporting a speed that was bought with wrong
 output.
+
+A study at a batch size above one measures batches instead of prompts (`PreparedBatch`): plain
+batched `generate` against the candidate on the whole batch, in the tokens of all its rows, every
+row held to its own row of plain batched greedy decoding. At batch size one each batch is one
+prompt, and everything above reads as it says.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ from hf_selfspec.tuner_api import (
     StrategyStats,
     TimedRun,
     check_greedy_consistency,
+    encode_batch,
     encode_prompt,
     online_corpus,
     resolve_params,
@@ -52,32 +58,60 @@ class LosslessViolation(Exception):
 class PreparedPrompt:
     id: str
     inputs: dict[str, torch.Tensor]
-    # Plain greedy decoding's new tokens and raw logits: deterministic, so computed once per
-    # process; the logits judge a reduced-precision near-tie (`hf_selfspec.consistency`).
+    # Plain greedy decoding's new tokens and raw logits (in a batch, its row's of the plain batched
+    # decode): deterministic, so computed once per process; the logits judge a reduced-precision
+    # near-tie (`hf_selfspec.consistency`).
     reference_tokens: list[int]
     reference_logits: torch.Tensor
     category: str | None = None
 
 
+@dataclass(frozen=True)
+class PreparedBatch:
+    """Prompts of one category that a trial decodes at once, as one `generate` call: its rows, in
+    order, and their left-padded `inputs`. A study at batch size one has one prompt in each."""
+
+    prompts: tuple[PreparedPrompt, ...]
+    inputs: dict[str, torch.Tensor]
+
+    @property
+    def category(self) -> str | None:
+        return self.prompts[0].category
+
+
+def as_batch(unit: PreparedPrompt | PreparedBatch) -> PreparedBatch:
+    """A prompt as the batch of one it is decoded as; a batch as it is."""
+    return unit if isinstance(unit, PreparedBatch) else PreparedBatch((unit,), unit.inputs)
+
+
 def prepare_prompts(
-    model, tokenizer, prompts: Sequence[Prompt], generate_kwargs: dict[str, Any]
-) -> tuple[list[PreparedPrompt], float]:
-    """Encode the prompts and decode each plainly once.
+    model, tokenizer, batches: Iterable[Sequence[Prompt]], generate_kwargs: dict[str, Any]
+) -> tuple[list[PreparedBatch], float]:
+    """Encode the prompts, batch by batch (`study_prompts.batch_prompts`; at batch size one, a
+    prompt each), and decode each batch plainly once.
 
     That pass warms up the process (first calls allocate and pick kernels, which no trial should
-    pay for), yields the reference tokens for the lossless check, and measures the plain
-    tokens/s that the study note reports.
+    pay for), yields each row's reference tokens for the lossless check, and measures the plain
+    tokens/s that the study note reports. A row's reference is plain batched greedy's in its own
+    batch, the decode a candidate's row is compared with, not the prompt decoded alone.
     """
     prepared, tokens, seconds = [], 0, 0.0
-    for prompt in prompts:
-        inputs = encode_prompt(tokenizer, prompt)
+    for members in batches:
+        inputs = encode_batch(tokenizer, list(members))
         run = timed_generate(model, inputs, strategy=PLAIN, output_logits=True, **generate_kwargs)
-        prepared.append(
-            PreparedPrompt(prompt.id, dict(inputs), run.new_tokens, run.logits, prompt.category)
+        rows = tuple(
+            PreparedPrompt(prompt.id, dict(encode_prompt(tokenizer, prompt)), row, logits, prompt.category)
+            for prompt, row, logits in zip(members, run.rows, run.row_logits, strict=True)
         )
-        tokens += len(run.new_tokens)
+        prepared.append(PreparedBatch(rows, inputs))
+        tokens += sum(len(row) for row in run.rows)
         seconds += run.seconds
     return prepared, tokens / seconds if seconds > 0 else 0.0
+
+
+def batch_members(batches: Sequence[PreparedBatch]) -> list[PreparedPrompt]:
+    """Every prompt of the batches, in the order they are decoded."""
+    return [prompt for batch in batches for prompt in batch.prompts]
 
 
 def save_learned_corpus(model, prompts: Sequence[PreparedPrompt], path: Path) -> Path:
@@ -119,17 +153,18 @@ def begin_trial(trial: optuna.trial.BaseTrial, search: SearchConfig, num_layers:
 class SpeedupObjective:
     """`study.optimize`'s objective: suggest a skip set and knobs, measure them, return the speedup.
 
-    Intermediate speedups (over the categories measured so far) are reported after every
-    prompt, so the pruner can stop a hopeless skip set after a prompt or two. A skip set that
-    drops every layer entirely is pruned before measuring: `generate` rejects it, and pruned
-    trials teach the sampler to avoid it. With a `category_floor`, a complete trial whose
+    `prompts` are the study's batches (`prepare_prompts`); a prompt given alone is a batch of one.
+    Intermediate speedups (over the categories measured so far) are reported after every batch,
+    so the pruner can stop a hopeless skip set after a prompt or two. A skip set that drops every
+    layer entirely is pruned before measuring: `generate` rejects it, and pruned trials teach
+    the sampler to avoid it. With a `category_floor`, a complete trial whose
     speedup in some category is below it is marked infeasible (`categories`).
     """
 
     def __init__(
         self,
         model,
-        prompts: Sequence[PreparedPrompt],
+        prompts: Sequence[PreparedPrompt | PreparedBatch],
         search: SearchConfig,
         num_layers: int,
         generate_kwargs: dict[str, Any],
@@ -137,13 +172,13 @@ class SpeedupObjective:
         category_floor: float | None = None,
     ):
         self.model = model
-        self.prompts = prompts
+        self.batches = [as_batch(unit) for unit in prompts]
         self.search = search
         self.num_layers = num_layers
         self.generate_kwargs = generate_kwargs
         self.worker = worker
         self.category_floor = category_floor
-        self.candidate_first = alternating_order([prompt.category for prompt in prompts])
+        self.candidate_first = alternating_order([batch.category for batch in self.batches])
 
     def __call__(self, trial: optuna.Trial) -> float:
         params = begin_trial(trial, self.search, self.num_layers, self.worker)
@@ -152,17 +187,18 @@ class SpeedupObjective:
         except ValueError as error:
             raise optuna.TrialPruned(f"invalid skip set: {error}") from None
         params = {**params, "online_corpus": fresh_corpus_key(self.model, trial.params)}
-        totals = CategorySpeedups([prompt.category for prompt in self.prompts])
+        totals = CategorySpeedups([batch.category for batch in self.batches])
         near_ties: list[str] = []  # prompts whose output left plain greedy's at a near-tie
         trial.set_user_attr("near_tie_prompts", near_ties)
-        for step, (prompt, candidate_first) in enumerate(zip(self.prompts, self.candidate_first, strict=True)):
-            baseline, candidate = self._measure(prompt, params, candidate_first)
-            self._score(trial, params, totals, near_ties, prompt, [baseline], [candidate])
+        for step, (batch, candidate_first) in enumerate(zip(self.batches, self.candidate_first, strict=True)):
+            baseline, candidate = self._measure(batch, params, candidate_first)
+            self._score(trial, params, totals, near_ties, batch, [baseline], [candidate])
             trial.report(totals.value, step)
             if trial.should_prune():
                 totals.record(trial)
+                decoded = len(batch_members(self.batches[: step + 1]))
                 raise optuna.TrialPruned(
-                    f"pruned after {step + 1} of {len(self.prompts)} prompts at {totals.value:.2f}x"
+                    f"pruned after {decoded} of {len(batch_members(self.batches))} prompts at {totals.value:.2f}x"
                 )
         totals.record(trial, self.category_floor)
         return totals.value
@@ -173,40 +209,40 @@ class SpeedupObjective:
         on_prompt: Callable[[], None] = lambda: None,
         rounds: int = 1,
     ) -> list[float | LosslessViolation]:
-        """Measure fixed trials (an estimated study's best, to confirm) together: each prompt is
-        decoded plainly and by every trial, `rounds` times over, in an order rotated from prompt
-        to prompt and from round to round.
+        """Measure fixed trials (an estimated study's best, to confirm) together: each prompt (each
+        batch) is decoded plainly and by every trial, `rounds` times over, in an order rotated
+        from prompt to prompt and from round to round.
 
         k trials then cost k + 1 decodes of a prompt a round instead of 2k, and all of them are
         compared with the same plain decodes, so load that comes and goes cannot favour one over
         another. More rounds weigh one decode that a neighbour's burst slowed less: with one prompt
         a category, a single decode is the category's whole measurement. A trial whose output
         leaves plain greedy decoding's is decoded no further; its entry is the
-        `LosslessViolation`. `on_prompt` is called after each prompt, for a progress bar.
+        `LosslessViolation`. `on_prompt` is called after each prompt (batch), for a progress bar.
         """
         params = [begin_trial(trial, self.search, self.num_layers, self.worker) for trial in trials]
         by_round = [
             [{**values, "online_corpus": fresh_corpus_key(self.model, trial.params, index, round_)} for round_ in range(rounds)]
             for index, (trial, values) in enumerate(zip(trials, params, strict=True))
         ]
-        totals = [CategorySpeedups([prompt.category for prompt in self.prompts]) for _ in trials]
+        totals = [CategorySpeedups([batch.category for batch in self.batches]) for _ in trials]
         near_ties: list[list[str]] = [[] for _ in trials]
         for trial, prompts in zip(trials, near_ties, strict=True):
             trial.set_user_attr("near_tie_prompts", prompts)
         violations: dict[int, LosslessViolation] = {}
-        offsets = rotation_offsets([prompt.category for prompt in self.prompts], len(trials) + 1)
-        for prompt, offset in zip(self.prompts, offsets, strict=True):
+        offsets = rotation_offsets([batch.category for batch in self.batches], len(trials) + 1)
+        for batch, offset in zip(self.batches, offsets, strict=True):
             live = [index for index in range(len(trials)) if index not in violations]
             order: list[int | None] = [None, *live]  # None: the plain decode
             runs: dict[int | None, list[TimedRun]] = {index: [] for index in order}
             for round_ in range(rounds):
                 shift = (offset + round_) % len(order)
                 for index in order[shift:] + order[:shift]:
-                    runs[index].append(self._decode(prompt, None if index is None else by_round[index][round_]))
+                    runs[index].append(self._decode(batch, None if index is None else by_round[index][round_]))
             for index in live:
                 try:
                     self._score(
-                        trials[index], params[index], totals[index], near_ties[index], prompt, runs[None], runs[index]
+                        trials[index], params[index], totals[index], near_ties[index], batch, runs[None], runs[index]
                     )
                 except LosslessViolation as violation:
                     violations[index] = violation
@@ -220,21 +256,21 @@ class SpeedupObjective:
             outcomes.append(totals[index].value)
         return outcomes
 
-    def _decode(self, prompt: PreparedPrompt, params: dict[str, Any] | None) -> TimedRun:
-        """One timed decode of the prompt: plain with `params` None, else the candidate's."""
+    def _decode(self, batch: PreparedBatch, params: dict[str, Any] | None) -> TimedRun:
+        """One timed decode of the batch: plain with `params` None, else the candidate's."""
         if params is None:
-            return timed_generate(self.model, prompt.inputs, strategy=PLAIN, **self.generate_kwargs)
+            return timed_generate(self.model, batch.inputs, strategy=PLAIN, **self.generate_kwargs)
         strategy = self.search.strategy
-        return timed_generate(self.model, prompt.inputs, strategy=strategy, **params, **self.generate_kwargs)
+        return timed_generate(self.model, batch.inputs, strategy=strategy, **params, **self.generate_kwargs)
 
     def _measure(
-        self, prompt: PreparedPrompt, params: dict[str, Any], candidate_first: bool
+        self, batch: PreparedBatch, params: dict[str, Any], candidate_first: bool
     ) -> tuple[TimedRun, TimedRun]:
         if candidate_first:
-            candidate_run = self._decode(prompt, params)
-            return self._decode(prompt, None), candidate_run
-        baseline_run = self._decode(prompt, None)
-        return baseline_run, self._decode(prompt, params)
+            candidate_run = self._decode(batch, params)
+            return self._decode(batch, None), candidate_run
+        baseline_run = self._decode(batch, None)
+        return baseline_run, self._decode(batch, params)
 
     def _score(
         self,
@@ -242,25 +278,26 @@ class SpeedupObjective:
         params: dict[str, Any],
         totals: CategorySpeedups,
         near_ties: list[str],
-        prompt: PreparedPrompt,
+        batch: PreparedBatch,
         baselines: Sequence[TimedRun],
         candidates: Sequence[TimedRun],
     ) -> None:
-        """Add one prompt's decodes, plain's and the candidate's over every round, to the trial's
-        totals; a `LosslessViolation` (the totals so far recorded on the trial) if any of the
-        candidate's decodes is not plain greedy's tokens."""
+        """Add one batch's decodes, plain's and the candidate's over every round, to the trial's
+        totals; a `LosslessViolation` (the totals so far recorded on the trial) if any row of the
+        candidate's decodes is not its row of plain greedy's tokens."""
         (baseline, _), (candidate, stats) = _pooled(baselines), _pooled(candidates)
-        totals.add(prompt.category, baseline, candidate, stats)
+        totals.add(batch.category, baseline, candidate, stats, len(batch.prompts))
         for run in candidates:
-            consistency = check_greedy_consistency(
-                run.new_tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
-            )
-            if not consistency.consistent:
-                totals.record(trial)
-                raise self._violation(trial, prompt, run.new_tokens, params, consistency)
-            if consistency.verdict == NEAR_TIE and prompt.id not in near_ties:
-                near_ties.append(prompt.id)
-                trial.set_user_attr("near_tie_prompts", near_ties)
+            for prompt, tokens in zip(batch.prompts, run.rows, strict=True):
+                consistency = check_greedy_consistency(
+                    tokens, prompt.reference_tokens, prompt.reference_logits, self.model.dtype
+                )
+                if not consistency.consistent:
+                    totals.record(trial)
+                    raise self._violation(trial, prompt, tokens, params, consistency)
+                if consistency.verdict == NEAR_TIE and prompt.id not in near_ties:
+                    near_ties.append(prompt.id)
+                    trial.set_user_attr("near_tie_prompts", near_ties)
 
     def _violation(
         self,
@@ -290,11 +327,11 @@ class SpeedupObjective:
 
 
 def _pooled(runs: Sequence[TimedRun]) -> tuple[tuple[float, int], StrategyStats | None]:
-    """Decodes of one prompt as one: (their seconds, their generated tokens) and their draft
-    counters summed (None for plain decodes, which keep none)."""
+    """Decodes of one prompt or batch as one: (their seconds, their generated tokens, every row's)
+    and their draft counters summed (None for plain decodes, which keep none)."""
     pooled = None
     for run in runs:
         if run.stats is not None:
             pooled = pooled or StrategyStats()
             pooled.add(run.stats)
-    return (sum(run.seconds for run in runs), sum(len(run.new_tokens) for run in runs)), pooled
+    return (sum(run.seconds for run in runs), sum(len(row) for run in runs for row in run.rows)), pooled

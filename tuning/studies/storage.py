@@ -142,12 +142,13 @@ def model_label(model: ModelConfig) -> str:
 
 
 def prompt_label(prompts: PromptConfig, n_prompts: int) -> str:
-    """`source[-split][@offset][-<per_category>each]-<n_prompts>x<max_new_tokens>`, with the
-    number of prompts the study selected."""
+    """`source[-split][@offset][-<per_category>each]-<n_prompts>x<max_new_tokens>[-batch<size>]`,
+    with the number of prompts the study selected; a batch's speedup is another measurement."""
     split = f"-{prompts.split}" if prompts.split else ""
     offset = f"@{prompts.offset}" if prompts.offset else ""
     each = f"-{prompts.per_category}each" if prompts.per_category else ""
-    return f"{Path(prompts.source).stem}{split}{offset}{each}-{n_prompts}x{prompts.max_new_tokens}"
+    batch = f"-batch{prompts.batch_size}" if prompts.batch_size > 1 else ""
+    return f"{Path(prompts.source).stem}{split}{offset}{each}-{n_prompts}x{prompts.max_new_tokens}{batch}"
 
 
 def derive_study_name(config: StudyConfig, device_key: str, n_prompts: int) -> str:
@@ -213,6 +214,8 @@ class StudyContext:
     prompts_per_category: int = 0
     # The floor every category's speedup had to reach for a trial to be feasible (0: none).
     category_floor: float = 0.0
+    # How many prompts a trial decoded at once (1: one at a time, as before batches were tuned).
+    batch_size: int = 1
 
     # Fields that define the measurement; a resumed study must agree on every one of them. The
     # model's path is left out (workers on other machines keep it elsewhere); its depth is in.
@@ -227,6 +230,7 @@ class StudyContext:
         "prompt_offset",
         "prompt_split",
         "prompts_per_category",
+        "batch_size",
         "max_new_tokens",
         "draft_adapter_names",
         "draft_adapter_digests",

@@ -4,6 +4,8 @@ HumanEval and a JSONL file give a plain slice (`offset`, `n_prompts`). The workl
 source with `per_category`, gives the first prompts of each category, ordered round-robin over
 the categories: a trial's first prompts then span every kind of text, so the pruner's early
 comparisons, made after a prompt or two, already see each category rather than only the first.
+A study at a batch size above one decodes them in batches of one category (`batch_prompts`), so
+that every category keeps a speedup of its own, as at batch one.
 """
 
 from __future__ import annotations
@@ -47,3 +49,19 @@ def select_study_prompts(prompts: PromptConfig) -> list[Prompt]:
             )
         groups = {category: group[: prompts.per_category] for category, group in groups.items()}
     return _round_robin(groups)[: prompts.n_prompts]
+
+
+def batch_prompts(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
+    """The prompts in batches of up to `size` of one category: each batch opened by the first
+    prompt not yet in one and filled with the next of its category, in order. A round-robin
+    selection so keeps its categories interleaved batch by batch, and at size one every prompt
+    is its own batch, in the order it was selected."""
+    batches: list[list[Prompt]] = []
+    filling: dict[str | None, list[Prompt]] = {}
+    for prompt in prompts:
+        batch = filling.get(prompt.category)
+        if batch is None or len(batch) == size:
+            batch = filling[prompt.category] = []
+            batches.append(batch)
+        batch.append(prompt)
+    return batches

@@ -48,6 +48,7 @@ def _prompt_entries(prompts: PromptConfig, directory: Path) -> dict[str, Any]:
         # The workload's and the streams' split is implied; only a prompt file's is written.
         "split": prompts.split if prompts.source not in ("workload", "streams") else None,
         "per_category": prompts.per_category,
+        "batch_size": prompts.batch_size if prompts.batch_size > 1 else None,
     }
 
 
