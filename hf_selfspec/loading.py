@@ -12,6 +12,21 @@ from .dtypes import AUTO, parse_dtype, settle_auto_dtype
 EMBEDDED = "embedded"
 
 
+def pretrained_source(model: str) -> str:
+    """Where `from_pretrained` reads the model a command names: the embedded model's converted
+    copy, a packaged model's dequantised copy (made on first use), else the name as given (a local
+    directory or a Hub id). Whatever reads the model's files (its configs) reads them here, with no
+    Hub call for the models that ship in packages."""
+    from .embedded import converted_model_dir
+    from .packaged_models import PACKAGED_MODELS, packaged_model_dir
+
+    if model == EMBEDDED:
+        return str(converted_model_dir())
+    if model in PACKAGED_MODELS:
+        return str(packaged_model_dir(model))
+    return model
+
+
 def load_model_and_tokenizer(
     model: str = EMBEDDED,
     gguf_file: str | None = None,
@@ -28,7 +43,7 @@ def load_model_and_tokenizer(
     from .gguf import dequantised_copy
     from .inputs import existing_file
     from .mixin import enable
-    from .packaged_models import PACKAGED_MODELS, packaged_model_dir
+    from .packaged_models import PACKAGED_MODELS
     from .profiles import use_generation_config_file
 
     dtype = parse_dtype(dtype)
@@ -43,7 +58,7 @@ def load_model_and_tokenizer(
         if model in PACKAGED_MODELS:
             if gguf_file is not None:
                 raise ValueError(f"--gguf-file applies to a directory or Hub id, not to the packaged model {model}")
-            model = str(packaged_model_dir(model))
+            model = pretrained_source(model)
         elif gguf_file and Path(model).is_dir():
             model = str(dequantised_copy(existing_file(Path(model) / gguf_file, "--gguf-file")))
         elif gguf_file:  # a Hub id: transformers fetches and dequantises it

@@ -27,7 +27,7 @@ from .embedded import EMBEDDED_NAME, EmbeddedModelMissing, converted_model_dir, 
 from .files import adapter_files, cache_root
 from .inputs import InputError, file_stem, model_name, output_directory, read_text_file, usable_device
 from .layer_skip import SkippingDecoder, decoder_layers
-from .loading import EMBEDDED, load_model_and_tokenizer
+from .loading import EMBEDDED, load_model_and_tokenizer, pretrained_source
 from .lookup_corpus import read_corpus_description, save_lookup_corpus
 from .masks import additive_mask, check_hand_built_masks_supported, model_attention_mask
 from .measure import TimedRun, forward_timings, timed, timed_generate
@@ -129,6 +129,7 @@ __all__ = [
     "parse_dtype",
     "positive_float",
     "positive_int",
+    "pretrained_source",
     "read_adapter",
     "read_adapter_shape",
     "read_config_json",

@@ -60,3 +60,22 @@ def test_every_packaged_model_is_named_as_commands_take_it():
     for name, model in packaged_models.PACKAGED_MODELS.items():
         assert name == model.name and name.islower() and " " not in name
         assert model.chunks == len(model.install_command.split()) - 3
+
+
+def test_a_packaged_model_is_read_from_its_local_copy_never_from_the_hub(monkeypatch, tmp_path):
+    """`optimize --model <packaged name>` exports with the model's own generation config: read from
+    the packaged copy, as the model itself is, not looked up on the Hub under that name."""
+    from transformers import GenerationConfig
+
+    from hf_selfspec.loading import EMBEDDED, pretrained_source
+    from hf_selfspec.tuning.studies import export
+
+    name = next(iter(packaged_models.PACKAGED_MODELS))
+    copy = tmp_path / "copy"
+    GenerationConfig(eos_token_id=7, bos_token_id=5).save_pretrained(copy)
+    monkeypatch.setattr(packaged_models, "packaged_model_dir", lambda model: copy if model == name else None)
+    assert pretrained_source(name) == str(copy)
+    assert pretrained_source("some-org/some-model") == "some-org/some-model"
+    assert pretrained_source(EMBEDDED) != EMBEDDED
+    context = dataclasses.make_dataclass("Context", ["model", "gguf_file"])(name, None)
+    assert export._model_generation_config(context)["eos_token_id"] == 7

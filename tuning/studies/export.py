@@ -22,13 +22,13 @@ from typing import Any
 from optuna.trial import TrialState
 
 from hf_selfspec.tuner_api import (
-    EMBEDDED,
     AdapterConflictError,
     InputError,
     TunedProfile,
     adapter_digest,
     copy_adapter,
     output_directory,
+    pretrained_source,
     read_config_json,
     write_profile,
 )
@@ -63,12 +63,7 @@ def _model_generation_config(context: StudyContext) -> dict[str, Any]:
     """
     from transformers import AutoConfig, GenerationConfig
 
-    if context.model == EMBEDDED:
-        from hf_selfspec.tuner_api import converted_model_dir
-
-        source: str | Path = converted_model_dir()
-    else:
-        source = context.model
+    source = pretrained_source(context.model)
     try:
         try:
             config = GenerationConfig.from_pretrained(source)
