@@ -23,7 +23,7 @@ from .decoding import DecodeRequest, Runtime, WallClock, speculative_decode
 from .decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter, ExitPolicy
 from .drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
 from .dtypes import AUTO, parse_dtype
-from .embedded import EMBEDDED_NAME, EmbeddedModelMissing, converted_model_dir, load_embedded
+from .embedded import EMBEDDED_NAME, EmbeddedModelMissing, load_embedded
 from .files import adapter_files, cache_root
 from .inputs import InputError, file_stem, model_name, output_directory, read_text_file, usable_device
 from .layer_skip import SkippingDecoder, decoder_layers
@@ -107,7 +107,6 @@ __all__ = [
     "check_greedy_consistency",
     "check_hand_built_masks_supported",
     "choose_layouts",
-    "converted_model_dir",
     "copy_adapter",
     "decoder_layers",
     "default_skip_layers",

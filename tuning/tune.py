@@ -221,16 +221,7 @@ def run_tune(
         "do_sample": False,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    batches = batch_prompts(prompts, config.prompts.batch_size)
-    unit = "prompts" if config.prompts.batch_size == 1 else "batches"
-    prepared, baseline_tps = prepare_prompts(
-        model, tokenizer, progress.counting(batches, "decoding the prompts plainly", unit), generate_kwargs
-    )
-    context = dataclasses.replace(context, baseline_tokens_per_second=baseline_tps)
-    if True in config.search.online_corpus:
-        corpus_path = cache_root() / "online-corpora" / re.sub(r"[^\w.-]+", "-", measured_name)
-        learned = save_learned_corpus(model, batch_members(prepared), corpus_path)
-        context = dataclasses.replace(context, online_corpus_file=str(learned), online_corpus_digest=adapter_digest(learned))
+    prepared, context = _prepare(model, tokenizer, config, prompts, generate_kwargs, context, measured_name)
     context.save(study)
     write_study_note(study)
     worker = f"{socket.gethostname()}:{os.getpid()}"
@@ -256,6 +247,23 @@ def run_tune(
             storage, measured_name, study, context, config, measuring, show_progress, reprice
         )
     return outcome
+
+
+def _prepare(model, tokenizer, config: StudyConfig, prompts, generate_kwargs, context: StudyContext, measured_name: str):
+    """The study's prompts in its batches, each decoded plainly once (`prepare_prompts`), and the
+    context with plain decoding's speed and, where trials may learn online, what a corpus learns
+    from the prompts (`save_learned_corpus`)."""
+    batches = batch_prompts(prompts, config.prompts.batch_size)
+    unit = "prompts" if config.prompts.batch_size == 1 else "batches"
+    prepared, baseline_tps = prepare_prompts(
+        model, tokenizer, progress.counting(batches, "decoding the prompts plainly", unit), generate_kwargs
+    )
+    context = dataclasses.replace(context, baseline_tokens_per_second=baseline_tps)
+    if True in config.search.online_corpus:
+        corpus_path = cache_root() / "online-corpora" / re.sub(r"[^\w.-]+", "-", measured_name)
+        learned = save_learned_corpus(model, batch_members(prepared), corpus_path)
+        context = dataclasses.replace(context, online_corpus_file=str(learned), online_corpus_digest=adapter_digest(learned))
+    return prepared, context
 
 
 def _stop_at(deadline: float) -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:

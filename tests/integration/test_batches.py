@@ -12,6 +12,8 @@ from transformers.generation.streamers import BaseStreamer
 import hf_selfspec
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
 from hf_selfspec.lookup_corpus import save_lookup_corpus
+from hf_selfspec.policies import Backoff
+from hf_selfspec.strategies import Strategy
 from helpers.adapters import random_adapter
 from helpers.greedy import PAD, RAGGED_LENGTHS, assert_same_batched_greedy, ragged_batch
 from helpers.tiny_models import ARCHITECTURES, NUM_LAYERS, tiny_model
@@ -60,7 +62,14 @@ def test_the_adapter_draft_keeps_each_row_plain_batched_greedys(architecture, tm
                                                max_draft_tokens=5, backoff_probe_interval=0, **knobs)
 
 
-def test_an_exact_adapter_is_accepted_whole_in_every_row(tmp_path):
+@pytest.fixture
+def every_step_speculates(monkeypatch):
+    """A batch weighs speculating against plain steps by wall time (`build_batch_backoff`);
+    tests that count what was drafted and accepted need every step to speculate."""
+    monkeypatch.setattr(Strategy, "build_batch_backoff", lambda self, params: Backoff())
+
+
+def test_an_exact_adapter_is_accepted_whole_in_every_row(tmp_path, every_step_speculates):
     """An untouched copy of the last layer, exiting before it, is the full model: every drafted
     token of every row must be accepted, which holds only if the adapter's KV of each row lines
     up with that row's text, column by column, as the rows move."""
@@ -282,7 +291,7 @@ def test_a_batch_larger_than_max_batch_size_decodes_plainly(llama):
         delattr(llama.generation_config, PROFILE_KEY)
 
 
-def test_the_quorum_shortens_a_batchs_proposals_and_a_batch_of_one_keeps_its_own(llama):
+def test_the_quorum_shortens_a_batchs_proposals_and_a_batch_of_one_keeps_its_own(llama, every_step_speculates):
     """With a quorum of half the rows, a step proposes only as far as half its rows' proposals
     reach: fewer tokens drafted than with no quorum, the same rows."""
     input_ids, attention_mask = ragged_batch(96, 8)
