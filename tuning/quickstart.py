@@ -13,8 +13,8 @@ the command still says plainly when no trial beat plain.
 
 It fits in `QUICKSTART_SECONDS` on any CPU: a few plain steps are timed first, and the study is
 sized from them as `optimize` sizes its stages (`budget`), so a slow float32-only machine runs
-fewer trials, on shorter prompts, with its cost model timed in fewer rounds; it says how long
-it will take before it starts.
+fewer trials, on shorter and fewer prompts, with its cost model timed in fewer rounds and a
+shorter demo; it says how long it will take before it starts.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from hf_selfspec.tuner_api import (
     HELD_OUT_SPLIT,
     TUNE_SPLIT,
     WORKLOAD,
+    WORKLOAD_CATEGORIES,
     Prompt,
     TimedRun,
     load_prompts,
@@ -44,7 +45,6 @@ from .budget import CALIBRATION_ROUNDS, MIN_TRIALS, TUNE_NEW_TOKENS, StepCosts, 
 from .studies.config import PromptConfig, SearchConfig, StudyConfig, StudySettings
 from .studies.export import ExportResult, export_profile
 from .studies.storage import estimated_study_name, open_storage, resolve_storage_url
-from .studies.study_prompts import select_study_prompts
 from .tune import format_summary, run_tune
 
 _SHIPPED = Path(str(resources.files("hf_selfspec").joinpath("data/tuned/smollm2-135m-instruct")))
@@ -73,18 +73,45 @@ QUICKSTART_CONFIG = StudyConfig(
     # is not a category's whole measurement.
     study=StudySettings(name="quickstart", objective="estimated", confirm_top=2, confirm_rounds=2),
 )
-DEMO_NEW_TOKENS = 64
-DEMO_REPEATS = 3
-# The whole command, from the first timed step to the demo's verdict.
-QUICKSTART_SECONDS = 300
-# Decodes of the demo: a warm-up and the repeats of three contenders, and a reference.
-_DEMO_DECODES = 3 * (DEMO_REPEATS + 1) + 1
+# The whole command, from the first timed step to the demo's verdict: with the set-up of a fresh
+# clone (a minute or two), `make run` stays within five minutes.
+QUICKSTART_SECONDS = 180
+# New tokens per tune prompt, most to fewest: a slow machine judges its trials on shorter text.
+QUICKSTART_NEW_TOKENS = (*TUNE_NEW_TOKENS, 16)
 _WIDTHS = (1, 8, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickstartSize:
+    """How much the quickstart measures: its tune prompts (one per category, the first this many
+    categories), its confirmation, and its demo's new tokens and timed repeats per contender."""
+
+    prompts: int
+    confirm_top: int
+    confirm_rounds: int
+    demo_new_tokens: int
+    demo_repeats: int
+
+    def demo_seconds(self, costs: StepCosts) -> float:
+        """The demo at plain's pace: a warm-up and the repeats of three contenders, and a reference."""
+        return (3 * (self.demo_repeats + 1) + 1) * costs.decode(self.demo_new_tokens)
+
+
+# Largest first; each later size gives up what matters least to a slower machine's user: demo
+# repeats and confirmation rounds, then shorter demo text and one confirmed trial, then half the
+# categories in the tune (its trials are still judged by real decoding on those).
+QUICKSTART_SIZES = (
+    QuickstartSize(len(WORKLOAD_CATEGORIES), 2, 2, 64, 3),
+    QuickstartSize(len(WORKLOAD_CATEGORIES), 2, 1, 64, 2),
+    QuickstartSize(len(WORKLOAD_CATEGORIES), 1, 1, 32, 2),
+    QuickstartSize(len(WORKLOAD_CATEGORIES) // 2, 1, 1, 32, 2),
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuickstartPlan:
     config: StudyConfig
+    size: QuickstartSize
     tune: TunePlan
     trial_seconds: float  # the window the trials run in
     demo_seconds: float
@@ -95,25 +122,27 @@ class QuickstartPlan:
 
 
 def quickstart_plan(costs: StepCosts, seconds: float = QUICKSTART_SECONDS) -> QuickstartPlan:
-    """The quickstart's study sized to fit `seconds` beside its demo, at `costs`: the most new
-    tokens, timing rounds and confirmation rounds that leave time for trials (on a machine too
-    slow for even the smallest, the smallest, which then takes longer)."""
-    demo = _DEMO_DECODES * costs.decode(DEMO_NEW_TOKENS)
-    prompts = len(select_study_prompts(QUICKSTART_CONFIG.prompts))
-    study = QUICKSTART_CONFIG.study
-    for rounds in range(study.confirm_rounds, 0, -1):
-        plan = plan_tune(seconds - demo, costs, prompts, study.confirm_top, rounds, TUNE_NEW_TOKENS)
+    """The largest quickstart (`QUICKSTART_SIZES`, then the most new tokens and timing rounds)
+    that fits `seconds` at `costs`, with time for trials; on a machine too slow for even the
+    smallest, the smallest, which then takes longer."""
+    for size in QUICKSTART_SIZES:
+        demo = size.demo_seconds(costs)
+        plan = plan_tune(seconds - demo, costs, size.prompts, size.confirm_top, size.confirm_rounds,
+                         QUICKSTART_NEW_TOKENS)
         if not isinstance(plan, str):
             break
     else:
-        rounds, plan = 1, tune_costs(costs, prompts, TUNE_NEW_TOKENS[-1], CALIBRATION_ROUNDS[-1], study.confirm_top, 1)
+        plan = tune_costs(costs, size.prompts, QUICKSTART_NEW_TOKENS[-1], CALIBRATION_ROUNDS[-1], size.confirm_top,
+                          size.confirm_rounds)
     config = dataclasses.replace(
         QUICKSTART_CONFIG,
-        prompts=dataclasses.replace(QUICKSTART_CONFIG.prompts, max_new_tokens=plan.max_new_tokens),
-        study=dataclasses.replace(study, confirm_rounds=rounds, calibration_rounds=plan.calibration_rounds),
+        prompts=dataclasses.replace(QUICKSTART_CONFIG.prompts, max_new_tokens=plan.max_new_tokens,
+                                    n_prompts=size.prompts),
+        study=dataclasses.replace(QUICKSTART_CONFIG.study, confirm_top=size.confirm_top,
+                                  confirm_rounds=size.confirm_rounds, calibration_rounds=plan.calibration_rounds),
     )
     window = max(seconds - demo - plan.before_trials - plan.confirmation, MIN_TRIALS * plan.trial)
-    return QuickstartPlan(config, plan, window, demo)
+    return QuickstartPlan(config, size, plan, window, demo)
 
 
 def _measure_costs() -> StepCosts:
@@ -151,7 +180,7 @@ def run_quickstart(output: Path, n_trials: int, storage_url: str | None, show_pr
     )
     with progress.task("the quickstart", planned_seconds=plan.total):
         result = _tune_and_export(output, plan, n_trials, storage_url, storage, show_progress)
-        return _demo(result)
+        return _demo(result, plan.size)
 
 
 def _tune_and_export(output: Path, plan: QuickstartPlan, n_trials: int, storage_url: str, storage,
@@ -160,9 +189,9 @@ def _tune_and_export(output: Path, plan: QuickstartPlan, n_trials: int, storage_
     config = plan.config
     print(
         f"1/3  Tuning Kangaroo and prompt lookup on the embedded model: estimated trials for "
-        f"{progress.minutes(plan.trial_seconds)} (at most {n_trials}) on one workload prompt per category, "
-        f"{config.prompts.max_new_tokens} new tokens each, then measuring the best {config.study.confirm_top} by real "
-        f"decoding, {config.study.confirm_rounds} round(s) (the full search is "
+        f"{progress.minutes(plan.trial_seconds)} (at most {n_trials}) on one workload prompt in each of "
+        f"{plan.size.prompts} categories, {config.prompts.max_new_tokens} new tokens each, then measuring the best "
+        f"{config.study.confirm_top} by real decoding, {config.study.confirm_rounds} round(s) (the full search is "
         "`hf-selfspec tune studies/smollm2-135m-workload-general-bf16.toml`).",
         flush=True,
     )
@@ -188,7 +217,7 @@ def _tune_and_export(output: Path, plan: QuickstartPlan, n_trials: int, storage_
     return export_profile(outcome.storage_url, outcome.export_study.study_name, output)
 
 
-def _demo(result: ExportResult) -> int:
+def _demo(result: ExportResult, size: QuickstartSize) -> int:
     """Step 3: the held-out prompt decoded plainly, with the new profile and with the shipped one,
     timed and checked against plain greedy decoding; the exit status."""
     from hf_selfspec.tuner_api import (
@@ -206,7 +235,7 @@ def _demo(result: ExportResult) -> int:
     shipped_model, _ = load_embedded()
     prompt = demo_prompt()
     inputs = encode_prompt(tokenizer, prompt)
-    kwargs = {"max_new_tokens": DEMO_NEW_TOKENS, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    kwargs = {"max_new_tokens": size.demo_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     # No strategy for the tuned rows: the profile in each model's generation config decides.
     contenders = {
         "plain generate": lambda: timed_generate(fresh_model, inputs, strategy=PLAIN, **kwargs),
@@ -215,7 +244,7 @@ def _demo(result: ExportResult) -> int:
     }
     runs: dict[str, list] = {name: [] for name in contenders}
     # the first pass warms every contender up, uncounted
-    for repeat in progress.counting(range(DEMO_REPEATS + 1), "the demo", "rounds of its three decodes"):
+    for repeat in progress.counting(range(size.demo_repeats + 1), "the demo", "rounds of its three decodes"):
         for name, decode in contenders.items():
             run = decode()
             if repeat:
@@ -228,7 +257,7 @@ def _demo(result: ExportResult) -> int:
         tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=True)
         + tokenizer.decode(plain[0].new_tokens, skip_special_tokens=True)
     )
-    print(f"--- median of {DEMO_REPEATS} interleaved runs each, {fresh_model.dtype} ---")
+    print(f"--- median of {size.demo_repeats} interleaved runs each, {fresh_model.dtype} ---")
     # One untimed plain decode with its logits: what a reduced-precision near-tie is judged by.
     reference = timed_generate(fresh_model, inputs, strategy=PLAIN, output_logits=True, **kwargs)
     verdicts = []

@@ -188,10 +188,22 @@ def test_a_corpus_that_cannot_pay_back_is_skipped_with_its_reason():
     assert corpus_plan(270, 0.01)["self_prompted"] >= 1
 
 
-@pytest.mark.parametrize("seconds_per_token", [0.005, 0.02, 0.05])
-def test_the_quickstart_fits_five_minutes_wherever_its_study_can(seconds_per_token):
-    """A fast machine and a slow float32-only one alike: the plan, demo included, fits."""
+@pytest.mark.parametrize("seconds_per_token", [0.005, 0.02, 0.05, 0.15])
+def test_the_quickstart_fits_its_time_wherever_its_study_can(seconds_per_token):
+    """A fast machine and a slow float32-only one alike (the embedded model's step there is a
+    tenth of a second and more): the plan, demo included, fits."""
     costs = StepCosts(seconds_per_token, 2 * seconds_per_token)
     plan = quickstart.quickstart_plan(costs)
     assert plan.total <= quickstart.QUICKSTART_SECONDS
     assert plan.trial_seconds > 0
+    assert plan.config.prompts.n_prompts == plan.size.prompts
+    assert plan.config.study.confirm_top == plan.size.confirm_top
+
+
+def test_a_slower_machine_gets_a_smaller_quickstart_and_the_slowest_the_smallest():
+    sizes = [quickstart.quickstart_plan(StepCosts(step, 2 * step)).size for step in (0.005, 0.05, 0.1, 0.15, 1.0)]
+    order = [quickstart.QUICKSTART_SIZES.index(size) for size in sizes]
+    assert order == sorted(order) and order[0] == 0
+    assert sizes[-1] == quickstart.QUICKSTART_SIZES[-1]
+    # too slow for even the smallest: that one, which then takes longer than asked
+    assert quickstart.quickstart_plan(StepCosts(1.0, 2.0)).total > quickstart.QUICKSTART_SECONDS
