@@ -136,13 +136,13 @@ def tune_costs(
 
 def plan_tune(
     seconds: float, costs: StepCosts, prompts: int, confirm_top: int, confirm_rounds: int = 1,
-    new_tokens: tuple[int, ...] = TUNE_NEW_TOKENS,
+    new_tokens: tuple[int, ...] = TUNE_NEW_TOKENS, calibration_rounds: tuple[int, ...] = CALIBRATION_ROUNDS,
 ) -> TunePlan | str:
     """The largest study (most new tokens, then most timing rounds) whose least (`TunePlan.least`)
     fits in `seconds`; or, where the smallest does not, why the stage is skipped."""
     plans = [
         tune_costs(costs, prompts, tokens, rounds, confirm_top, confirm_rounds)
-        for tokens in new_tokens for rounds in CALIBRATION_ROUNDS
+        for tokens in new_tokens for rounds in calibration_rounds
     ]
     fitting = next((plan for plan in plans if plan.least <= seconds), None)
     if fitting is not None:

@@ -76,35 +76,40 @@ QUICKSTART_CONFIG = StudyConfig(
 # The whole command, from the first timed step to the demo's verdict: with the set-up of a fresh
 # clone (a minute or two), `make run` stays within five minutes.
 QUICKSTART_SECONDS = 180
-# New tokens per tune prompt, most to fewest: a slow machine judges its trials on shorter text.
+# New tokens per tune prompt and the cost model's timing rounds, most to fewest: a slow machine
+# judges its few trials on shorter text with rougher prices, and its confirmation decides.
 QUICKSTART_NEW_TOKENS = (*TUNE_NEW_TOKENS, 16)
+QUICKSTART_CALIBRATION_ROUNDS = (*CALIBRATION_ROUNDS, 1)
+DEMO_NEW_TOKENS = 64
+# A contender's untimed first decode: what it builds once (packed weights, a drafter) is built.
+DEMO_WARM_UP_TOKENS = 8
 _WIDTHS = (1, 8, 32)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuickstartSize:
     """How much the quickstart measures: its tune prompts (one per category, the first this many
-    categories), its confirmation, and its demo's new tokens and timed repeats per contender."""
+    categories), its confirmation, and its demo's timed repeats per contender."""
 
     prompts: int
     confirm_top: int
     confirm_rounds: int
-    demo_new_tokens: int
     demo_repeats: int
 
     def demo_seconds(self, costs: StepCosts) -> float:
-        """The demo at plain's pace: a warm-up and the repeats of three contenders, and a reference."""
-        return (3 * (self.demo_repeats + 1) + 1) * costs.decode(self.demo_new_tokens)
+        """The demo at plain's pace: three contenders' warm-ups and repeats, and a reference."""
+        contender = costs.decode(DEMO_WARM_UP_TOKENS) + self.demo_repeats * costs.decode(DEMO_NEW_TOKENS)
+        return 3 * contender + costs.decode(DEMO_NEW_TOKENS)
 
 
 # Largest first; each later size gives up what matters least to a slower machine's user: demo
-# repeats and confirmation rounds, then shorter demo text and one confirmed trial, then half the
-# categories in the tune (its trials are still judged by real decoding on those).
+# repeats and confirmation rounds, then a confirmed trial, then half the categories in the tune
+# (its trials are still judged by real decoding on those).
 QUICKSTART_SIZES = (
-    QuickstartSize(len(WORKLOAD_CATEGORIES), 2, 2, 64, 3),
-    QuickstartSize(len(WORKLOAD_CATEGORIES), 2, 1, 64, 2),
-    QuickstartSize(len(WORKLOAD_CATEGORIES), 1, 1, 32, 2),
-    QuickstartSize(len(WORKLOAD_CATEGORIES) // 2, 1, 1, 32, 2),
+    QuickstartSize(len(WORKLOAD_CATEGORIES), 2, 2, 3),
+    QuickstartSize(len(WORKLOAD_CATEGORIES), 2, 1, 2),
+    QuickstartSize(len(WORKLOAD_CATEGORIES), 1, 1, 1),
+    QuickstartSize(len(WORKLOAD_CATEGORIES) // 2, 1, 1, 1),
 )
 
 
@@ -128,12 +133,12 @@ def quickstart_plan(costs: StepCosts, seconds: float = QUICKSTART_SECONDS) -> Qu
     for size in QUICKSTART_SIZES:
         demo = size.demo_seconds(costs)
         plan = plan_tune(seconds - demo, costs, size.prompts, size.confirm_top, size.confirm_rounds,
-                         QUICKSTART_NEW_TOKENS)
+                         QUICKSTART_NEW_TOKENS, QUICKSTART_CALIBRATION_ROUNDS)
         if not isinstance(plan, str):
             break
     else:
-        plan = tune_costs(costs, size.prompts, QUICKSTART_NEW_TOKENS[-1], CALIBRATION_ROUNDS[-1], size.confirm_top,
-                          size.confirm_rounds)
+        plan = tune_costs(costs, size.prompts, QUICKSTART_NEW_TOKENS[-1], QUICKSTART_CALIBRATION_ROUNDS[-1],
+                          size.confirm_top, size.confirm_rounds)
     config = dataclasses.replace(
         QUICKSTART_CONFIG,
         prompts=dataclasses.replace(QUICKSTART_CONFIG.prompts, max_new_tokens=plan.max_new_tokens,
@@ -235,20 +240,21 @@ def _demo(result: ExportResult, size: QuickstartSize) -> int:
     shipped_model, _ = load_embedded()
     prompt = demo_prompt()
     inputs = encode_prompt(tokenizer, prompt)
-    kwargs = {"max_new_tokens": size.demo_new_tokens, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    kwargs = {"max_new_tokens": DEMO_NEW_TOKENS, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     # No strategy for the tuned rows: the profile in each model's generation config decides.
     contenders = {
-        "plain generate": lambda: timed_generate(fresh_model, inputs, strategy=PLAIN, **kwargs),
-        "this tune": lambda: timed_generate(fresh_model, inputs, **kwargs),
-        "shipped profile": lambda: timed_generate(shipped_model, inputs, **kwargs),
+        "plain generate": lambda **length: timed_generate(fresh_model, inputs, strategy=PLAIN, **(kwargs | length)),
+        "this tune": lambda **length: timed_generate(fresh_model, inputs, **(kwargs | length)),
+        "shipped profile": lambda **length: timed_generate(shipped_model, inputs, **(kwargs | length)),
     }
     runs: dict[str, list] = {name: [] for name in contenders}
-    # the first pass warms every contender up, uncounted
+    # the first pass warms every contender up on a short decode, uncounted
     for repeat in progress.counting(range(size.demo_repeats + 1), "the demo", "rounds of its three decodes"):
         for name, decode in contenders.items():
-            run = decode()
             if repeat:
-                runs[name].append(run)
+                runs[name].append(decode())
+            else:
+                decode(max_new_tokens=DEMO_WARM_UP_TOKENS)
     if runs["this tune"][0].stats is None:
         raise TuningError(f"the model did not pick up the profile {result.key!r} from {result.path}")
     plain = runs["plain generate"]
