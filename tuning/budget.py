@@ -42,17 +42,21 @@ _CALIBRATION_TIMINGS_PER_WIDTH = 3
 
 @dataclass(frozen=True)
 class StepCosts:
-    """What the model's forward passes cost here, as the measure stage timed them."""
+    """What the model's forward passes cost here, as the measure stage timed them. A decode pays
+    its prompt's prefill once and a step per token: on a large model on a CPU the prefill of a
+    workload prompt costs several steps, so a per-token price that included it overpriced every
+    decode of tens of tokens."""
 
     step: float  # a plain decoding step
     widest: float  # the widest verification timed
+    prefill: float = 0.0  # a workload prompt's prefill
 
     @classmethod
-    def of(cls, seconds_per_token: float, verify_seconds: Mapping[int, float]) -> StepCosts:
-        return cls(seconds_per_token, max([seconds_per_token, *verify_seconds.values()]))
+    def of(cls, seconds_per_token: float, verify_seconds: Mapping[int, float], prefill: float = 0.0) -> StepCosts:
+        return cls(seconds_per_token, max([seconds_per_token, *verify_seconds.values()]), prefill)
 
     def decode(self, tokens: int) -> float:
-        return tokens * self.step
+        return self.prefill + tokens * self.step
 
 
 def corpus_plan(seconds: float, seconds_per_token: float, chat: bool = True) -> dict[str, int] | str:
@@ -124,7 +128,7 @@ def tune_costs(
     decode = costs.decode(max_new_tokens)
     text_pass = costs.widest * max(1, max_new_tokens // 32)
     verifications = _CALIBRATION_WIDTHS * _CALIBRATION_TIMINGS_PER_WIDTH * costs.widest
-    calibration = rounds * (verifications + costs.decode(_CALIBRATION_DRAFT_STEPS) + 2 * decode + text_pass)
+    calibration = rounds * (verifications + _CALIBRATION_DRAFT_STEPS * costs.step + 2 * decode + text_pass)
     return TunePlan(
         max_new_tokens=max_new_tokens,
         calibration_rounds=rounds,

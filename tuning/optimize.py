@@ -126,8 +126,9 @@ def _measure(run: Run) -> dict[str, Any]:
     from hf_selfspec.tuner_api import decoder_layers, timed
 
     model, tokenizer = run.request.model.load()
-    seconds_per_token = time_plain_step(model, tokenizer, load_prompts(WORKLOAD, 1)[0])
-    progress.say(f"     a plain step takes {seconds_per_token:.3f} s here")
+    seconds_per_token, prefill_seconds = time_plain_step(model, tokenizer, load_prompts(WORKLOAD, 1)[0])
+    progress.say(f"     a plain step takes {seconds_per_token:.3f} s here, after a prompt's prefill of "
+                 f"{prefill_seconds:.1f} s")
     # One chunk's forward pass, after one untimed, stands for a batch of them: the teacher's pass
     # over the adapter's corpus is sized from it.
     chunk = torch.zeros((1, CHUNK_TOKENS), dtype=torch.long, device=model.device)
@@ -139,6 +140,7 @@ def _measure(run: Run) -> dict[str, Any]:
         "vocab_size": model.get_output_embeddings().weight.shape[0],
         "verify_seconds": time_verification(model, rounds=rounds),
         "seconds_per_token": seconds_per_token,
+        "prefill_seconds": prefill_seconds,
         "batch_forward_seconds": BATCH_CHUNKS * forward[-1],
         "objective": objective_for(model),
         "chat": bool(getattr(tokenizer, "chat_template", None)),
@@ -147,6 +149,11 @@ def _measure(run: Run) -> dict[str, Any]:
     for reason in space.reasons:
         print(f"     {reason}", flush=True)
     return result
+
+
+def _step_costs(measured: dict[str, Any]) -> StepCosts:
+    """The measure stage's prices (a run measured before prefills were timed apart has none)."""
+    return StepCosts.of(measured["seconds_per_token"], measured["verify_seconds"], measured.get("prefill_seconds", 0.0))
 
 
 def verification_rounds(seconds: float, seconds_per_token: float) -> int:
@@ -266,10 +273,9 @@ def _tune(run: Run) -> dict[str, Any]:
 
     config = _study_config(run)
     measured = run.stages["measure"]
-    decode = config.prompts.max_new_tokens * measured["seconds_per_token"]
+    costs = _step_costs(measured)
     stage = run.remaining() - SHARES["confirm"] * run.request.budget_seconds
-    prompts = tune_prompts(config.prompts, stage, decode)
-    costs = StepCosts.of(measured["seconds_per_token"], measured["verify_seconds"])
+    prompts = tune_prompts(config.prompts, stage, costs.decode(config.prompts.max_new_tokens))
     plan = plan_tune(stage, costs, len(select_study_prompts(prompts)), CONFIRM_TOP)
     if isinstance(plan, str):
         raise TuningError(f"no profile: the tune stage is {plan}")
@@ -371,8 +377,7 @@ def _held_out_prompts(run: Run, decodes: int, max_new_tokens: int) -> tuple[list
     category at a time (the first prompt of every category, then the second...); what they are,
     and the seconds they are planned to take."""
     groups = prompts_by_category(load_prompts(_held_out(run.request), split=HELD_OUT_SPLIT))
-    measured = run.stages["measure"]
-    costs = StepCosts.of(measured["seconds_per_token"], measured["verify_seconds"])
+    costs = _step_costs(run.stages["measure"])
     count, reason = confirm_prompts(max(run.remaining(), 0.0), costs, decodes, max_new_tokens, len(groups),
                                     _MAX_CONFIRM_PER_CATEGORY)
     in_turn = [group[i] for i in range(_MAX_CONFIRM_PER_CATEGORY) for group in groups.values() if i < len(group)]

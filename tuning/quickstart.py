@@ -156,7 +156,8 @@ def _measure_costs() -> StepCosts:
     from .default_study import time_plain_step, time_verification
 
     model, tokenizer = QUICKSTART_CONFIG.model.load()
-    return StepCosts.of(time_plain_step(model, tokenizer, demo_prompt()), time_verification(model, _WIDTHS, rounds=1))
+    step, prefill = time_plain_step(model, tokenizer, demo_prompt())
+    return StepCosts.of(step, time_verification(model, _WIDTHS, rounds=1), prefill)
 
 
 def demo_prompt() -> Prompt:

@@ -207,3 +207,20 @@ def test_a_slower_machine_gets_a_smaller_quickstart_and_the_slowest_the_smallest
     assert sizes[-1] == quickstart.QUICKSTART_SIZES[-1]
     # too slow for even the smallest: that one, which then takes longer than asked
     assert quickstart.quickstart_plan(StepCosts(1.0, 2.0)).total > quickstart.QUICKSTART_SECONDS
+
+
+def test_a_plain_step_is_timed_apart_from_its_prompts_prefill(tiny_llama_dir, slow_machine, one_thread):
+    """On the simulated clock a forward pass over n tokens costs (1 + n/64) tenths of a second: a
+    step of one token, and a prefill of the prompt's length, which a per-token price over a
+    short decode would have spread over its few tokens."""
+    from hf_selfspec.tuning.default_study import time_plain_step
+
+    model, tokenizer = tuner_api.load_model_and_tokenizer(str(tiny_llama_dir))
+    slow_machine.pace.seconds_per_token = 0.1
+    prompt = quickstart.demo_prompt()
+    step, prefill = time_plain_step(slow_machine.slowed(model), tokenizer, prompt)
+    prompt_tokens = tuner_api.encode_prompt(tokenizer, prompt)["input_ids"].shape[1]
+    assert step == pytest.approx(0.1 * (1 + 1 / 64))
+    assert prefill == pytest.approx(0.1 * (1 + prompt_tokens / 64) - step, rel=1e-6)
+    costs = StepCosts.of(step, {32: 0.15}, prefill)
+    assert costs.decode(32) == pytest.approx(prefill + 32 * step)
