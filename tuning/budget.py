@@ -53,7 +53,12 @@ class StepCosts:
 
     @classmethod
     def of(cls, seconds_per_token: float, verify_seconds: Mapping[int, float], prefill: float = 0.0) -> StepCosts:
-        return cls(seconds_per_token, max([seconds_per_token, *verify_seconds.values()]), prefill)
+        """The costs from the measure stage's timings (`verify_seconds` by width, its keys ints or,
+        read back from JSON, strings). A step is at least the narrowest verification's forward
+        pass: a timed step below it is a shared host's jitter, and a stage sized from it overruns."""
+        narrowest = verify_seconds[min(verify_seconds, key=int)] if verify_seconds else 0.0
+        step = max(seconds_per_token, narrowest)
+        return cls(step, max([step, *verify_seconds.values()]), prefill)
 
     def decode(self, tokens: int) -> float:
         return self.prefill + tokens * self.step

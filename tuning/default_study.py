@@ -157,15 +157,16 @@ def time_verification(model, widths: tuple[int, ...] = VERIFY_WIDTHS, rounds: in
     return {width: statistics.median(seconds[1:]) for width, seconds in timings.items()}
 
 
-def time_plain_step(model, tokenizer, prompt, tokens: int = 12) -> tuple[float, float]:
+def time_plain_step(model, tokenizer, prompt, tokens: tuple[int, int] = (4, 20)) -> tuple[float, float]:
     """Seconds of one plain decoding step, and of `prompt`'s prefill, after an untimed decode:
-    what every budgeted stage is sized from, timed before any of them. Two decodes, of `tokens`
-    and of half as many new tokens, differ by steps alone; where noise hides that difference,
-    the longer decode's seconds per token stand for a step, its prefill included."""
+    what every budgeted stage is sized from, timed before any of them. Two decodes of `prompt`,
+    of a few new tokens and of many more, differ by steps alone (far enough apart that a
+    shared host's jitter moves the step little); where noise hides that difference, the longer
+    decode's seconds per token stand for a step, its prefill included."""
     inputs = encode_prompt(tokenizer, prompt)
     kwargs = {"strategy": "plain", "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
-    timed_generate(model, inputs, max_new_tokens=tokens // 2, **kwargs)  # warm-up
-    short, long = (timed_generate(model, inputs, max_new_tokens=n, **kwargs) for n in (tokens // 2, tokens))
+    timed_generate(model, inputs, max_new_tokens=tokens[0], **kwargs)  # warm-up
+    short, long = (timed_generate(model, inputs, max_new_tokens=n, **kwargs) for n in tokens)
     steps = len(long.new_tokens) - len(short.new_tokens)
     step = (long.seconds - short.seconds) / steps if steps > 0 else 0.0
     if step <= 0:

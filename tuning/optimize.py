@@ -168,7 +168,7 @@ def _corpus(run: Run) -> dict[str, Any]:
     from .training.write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
 
     measured = run.stages["measure"]
-    plan = corpus_plan(run.share("corpus"), measured["seconds_per_token"], measured["chat"])
+    plan = _tune_first(run) or corpus_plan(run.share("corpus"), measured["seconds_per_token"], measured["chat"])
     if isinstance(plan, str):
         print(f"     corpus: {plan}", flush=True)
         return {"corpus": "", "table": None, "reason": plan}
@@ -192,6 +192,22 @@ def _corpus(run: Run) -> dict[str, Any]:
     written, description = run_write_lookup_corpus(load_lookup_corpus_config(path), run.request.show_progress)
     print(f"     {describe_result(written, description)}", flush=True)
     return {"corpus": str(written), "table": table}
+
+
+def _tune_first(run: Run) -> str | None:
+    """Why the corpus, and with it the adapter, is skipped: the study fits the time left only
+    without them (a draft they would train is worth nothing untuned). None where it fits beside
+    them; where it fits neither way, the run stops now, not after the corpus's minutes."""
+    costs = _step_costs(run.stages["measure"])
+    prompts = len(select_study_prompts(default_prompts(run.request.prompts)))
+    alone = run.remaining() - SHARES["confirm"] * run.request.budget_seconds
+    if not isinstance(plan_tune(alone - run.share("corpus") - run.share("adapter"), costs, prompts, CONFIRM_TOP), str):
+        return None
+    plan = plan_tune(alone, costs, prompts, CONFIRM_TOP)
+    if isinstance(plan, str):
+        raise TuningError(f"no profile: the tune stage would be {plan}")
+    return (f"skipped: the study fits the {progress.minutes(alone)} left only without a corpus and an adapter; give a "
+            "larger --budget for them")
 
 
 def _adapter(run: Run) -> dict[str, Any]:
