@@ -32,6 +32,7 @@ from .studies.config import ESTIMATED_BATCHES, StudyConfig, check_adapters_fit
 from .studies.dashboard import best_trial, count_states, draft_figure, infeasible_trials, write_study_note
 from .costmodel import check_supported, estimated_objective, record_cost_model, teacher_force
 from .studies.objective import (
+    PRUNED_AFTER_PROMPTS,
     LosslessViolation,
     SpeedupObjective,
     batch_members,
@@ -130,7 +131,8 @@ class _Progress:
             steps = trial.intermediate_values
             if not steps:
                 return f"trial {trial.number}: pruned before measuring (it skips every layer whole)"
-            return f"trial {trial.number}: pruned after {len(steps)} prompt(s) at {steps[max(steps)]:.2f}x"
+            decoded = attrs.get(PRUNED_AFTER_PROMPTS, len(steps))
+            return f"trial {trial.number}: pruned after {decoded} prompt(s) at {steps[max(steps)]:.2f}x"
         violation = attrs.get("lossless_violation")
         reason = f"lossless violation on {violation['prompt']}" if violation else "error"
         return f"trial {trial.number}: FAILED ({reason})"

@@ -26,6 +26,7 @@ from hf_selfspec.tuning.studies.config import (
     load_study_config,
 )
 from hf_selfspec.tuning.studies.objective import (
+    PRUNED_AFTER_PROMPTS,
     LosslessViolation,
     PreparedBatch,
     PreparedPrompt,
@@ -89,7 +90,7 @@ def _row(prompt_id: str, tokens: list[int], category: str = "A") -> PreparedProm
     return PreparedPrompt(prompt_id, {"input_ids": torch.tensor([[5, 6]])}, tokens, logits, category)
 
 
-def _run_scripted(monkeypatch, batches, plain, candidate):
+def _run_scripted(monkeypatch, batches, plain, candidate, pruner=None):
     """One warm-start trial over `batches`, each decode answered by `plain` or `candidate`
     (functions of the batch's prompt ids)."""
 
@@ -98,7 +99,7 @@ def _run_scripted(monkeypatch, batches, plain, candidate):
 
     monkeypatch.setattr("hf_selfspec.tuning.studies.objective.timed_generate", scripted)
     objective = SpeedupObjective(SimpleNamespace(dtype=torch.float32), batches, SearchConfig(), NUM_LAYERS, {}, "t")
-    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    study = optuna.create_study(direction="maximize", pruner=pruner or optuna.pruners.NopPruner())
     study.enqueue_trial(warm_start_trials(SearchConfig(), NUM_LAYERS)[0])
     study.optimize(objective, n_trials=1, catch=(LosslessViolation,))
     return study.trials[0]
@@ -272,3 +273,20 @@ def test_a_batched_study_tunes_whole_batches_end_to_end(tmp_path, tiny_llama_dir
     result = export_profile(outcome.storage_url, outcome.study.study_name, tmp_path / "out")
     assert result.profile.measured["prompts"]["batch_size"] == 2
     assert result.profile.measured["prompts"]["n_prompts"] == 4
+
+
+class _PruneAtOnce(optuna.pruners.BasePruner):
+    def prune(self, study, trial) -> bool:
+        return True
+
+
+def test_a_trial_pruned_in_a_batched_study_says_how_many_prompts_it_decoded(monkeypatch):
+    """Its steps are batches: the per-trial line counts the prompts of the batches it decoded."""
+    from hf_selfspec.tuning.tune import _Progress
+
+    batches = [_batch(_row("p", [1, 2]), _row("q", [3, 4])), _batch(_row("r", [1, 2]), _row("s", [3, 4]))]
+    run = lambda ids: TimedRun([1, 2, 3, 4], 1.0, StrategyStats(), rows=[[1, 2], [3, 4]])  # noqa: E731
+    trial = _run_scripted(monkeypatch, batches, plain=run, candidate=run, pruner=_PruneAtOnce())
+    assert trial.state == TrialState.PRUNED
+    assert trial.user_attrs[PRUNED_AFTER_PROMPTS] == 2
+    assert "pruned after 2 prompt(s)" in _Progress._line(trial)

@@ -48,6 +48,8 @@ from .config import SearchConfig
 from .space import ADAPTER_PARAM, skip_ratio, suggest_params, uses_online_corpus
 
 logger = logging.getLogger(__name__)
+# A pruned trial's user attribute: how many prompts it decoded (its steps count batches).
+PRUNED_AFTER_PROMPTS = "pruned_after_prompts"
 
 
 class LosslessViolation(Exception):
@@ -197,6 +199,7 @@ class SpeedupObjective:
             if trial.should_prune():
                 totals.record(trial)
                 decoded = len(batch_members(self.batches[: step + 1]))
+                trial.set_user_attr(PRUNED_AFTER_PROMPTS, decoded)  # a step is a batch of prompts
                 raise optuna.TrialPruned(
                     f"pruned after {decoded} of {len(batch_members(self.batches))} prompts at {totals.value:.2f}x"
                 )
