@@ -99,6 +99,26 @@ def _pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
     return optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=0)
 
 
+def trial_line(trial: optuna.trial.FrozenTrial) -> str:
+    """A finished trial in one line: its speedup and draft, why it was pruned, or why it failed."""
+    attrs = trial.user_attrs
+    if trial.state == TrialState.COMPLETE:
+        return (
+            f"trial {trial.number}: {trial.value:.2f}x, acceptance {attrs['acceptance_rate']:.0%}, "
+            + " ".join(draft_figure(attrs))
+            + ("" if is_feasible(trial) else f"; infeasible, {_below_floor(trial)}")
+        )
+    if trial.state == TrialState.PRUNED:
+        steps = trial.intermediate_values
+        if not steps:
+            return f"trial {trial.number}: pruned before measuring (it skips every layer whole)"
+        decoded = attrs.get(PRUNED_AFTER_PROMPTS, len(steps))
+        return f"trial {trial.number}: pruned after {decoded} prompt(s) at {steps[max(steps)]:.2f}x"
+    violation = attrs.get("lossless_violation")
+    reason = f"lossless violation on {violation['prompt']}" if violation else "error"
+    return f"trial {trial.number}: FAILED ({reason})"
+
+
 class _Progress:
     """A trial bar with the best speedup so far, one line per finished trial, and the study note
     refreshed whenever this worker finds a new best."""
@@ -110,32 +130,13 @@ class _Progress:
 
     def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         self.this_run[trial.state] += 1
-        self.bar.write(self._line(trial))
+        self.bar.write(trial_line(trial))
         best = best_trial(study)
         if best is not None:
             self.bar.set_postfix_str(f"best {best.value:.2f}x (trial {best.number})")
             if best.number == trial.number:
                 write_study_note(study)
         self.bar.update(1)
-
-    @staticmethod
-    def _line(trial: optuna.trial.FrozenTrial) -> str:
-        attrs = trial.user_attrs
-        if trial.state == TrialState.COMPLETE:
-            return (
-                f"trial {trial.number}: {trial.value:.2f}x, acceptance {attrs['acceptance_rate']:.0%}, "
-                + " ".join(draft_figure(attrs))
-                + ("" if is_feasible(trial) else f"; infeasible, {_below_floor(trial)}")
-            )
-        if trial.state == TrialState.PRUNED:
-            steps = trial.intermediate_values
-            if not steps:
-                return f"trial {trial.number}: pruned before measuring (it skips every layer whole)"
-            decoded = attrs.get(PRUNED_AFTER_PROMPTS, len(steps))
-            return f"trial {trial.number}: pruned after {decoded} prompt(s) at {steps[max(steps)]:.2f}x"
-        violation = attrs.get("lossless_violation")
-        reason = f"lossless violation on {violation['prompt']}" if violation else "error"
-        return f"trial {trial.number}: FAILED ({reason})"
 
     def close(self) -> None:
         self.bar.close()

@@ -282,11 +282,11 @@ class _PruneAtOnce(optuna.pruners.BasePruner):
 
 def test_a_trial_pruned_in_a_batched_study_says_how_many_prompts_it_decoded(monkeypatch):
     """Its steps are batches: the per-trial line counts the prompts of the batches it decoded."""
-    from hf_selfspec.tuning.tune import _Progress
+    from hf_selfspec.tuning.tune import trial_line
 
     batches = [_batch(_row("p", [1, 2]), _row("q", [3, 4])), _batch(_row("r", [1, 2]), _row("s", [3, 4]))]
     run = lambda ids: TimedRun([1, 2, 3, 4], 1.0, StrategyStats(), rows=[[1, 2], [3, 4]])  # noqa: E731
     trial = _run_scripted(monkeypatch, batches, plain=run, candidate=run, pruner=_PruneAtOnce())
     assert trial.state == TrialState.PRUNED
     assert trial.user_attrs[PRUNED_AFTER_PROMPTS] == 2
-    assert "pruned after 2 prompt(s)" in _Progress._line(trial)
+    assert "pruned after 2 prompt(s)" in trial_line(trial)
