@@ -14,8 +14,9 @@ LOWEST_VENV := .venv-transformers-$(LOWEST_TRANSFORMERS)
 # The tests run on every core (pytest-xdist), one OpenMP thread each. A test file stays in one
 # process, so its module fixtures (a loaded model, a finished study) are built once. At most four
 # processes: each may hold the embedded model in memory. The 1.5B model's tests run apart
-# (`make test-large-model`).
-PYTEST_FLAGS := -n auto --maxprocesses 4 --dist loadfile -m "not large_model"
+# (`make test-large-model`). The slowest tests are listed at the end: CI's log shows where its
+# time goes.
+PYTEST_FLAGS := -n auto --maxprocesses 4 --dist loadfile -m "not large_model" --durations=25
 
 .PHONY: run test test-lowest-transformers setup large-model test-large-model
 
