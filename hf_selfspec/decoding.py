@@ -71,29 +71,15 @@ class RowParts:
 
 @dataclass
 class SpeculationParts:
-    """What a strategy composes: who drafts with a model, when drafting stops, whether the model
-    drafts, whether to speculate at all, and prompt lookup's sources (None: no lookup). The exit
-    policy, the gate and lookup decide per text (`RowParts`): each further row of a batch gets
-    its own from `more_rows` (None: the parts decode one text), and a batch's steps are weighed
-    by `batch_backoff` (None: by `backoff`). It is the step's one choice point (`propose`), and
-    hands every verification's outcome to each part (`learn`)."""
+    """What a strategy composes for one decode: who drafts with a model, whether to speculate at
+    all, and what decides each text's proposals (`RowParts`, one per row of the batch). It is the
+    step's one choice point (`propose`), and hands every verification's outcome to each part
+    (`learn`)."""
 
     drafter: Drafter
-    exit_policy: ExitPolicy
-    gate: Gate
     backoff: Backoff
-    lookup: PromptLookup | None = None
-    more_rows: Callable[[], RowParts] | None = None
+    rows: list[RowParts]
     batch_quorum: float = 0.0  # a batch's proposals are no longer than this share of its rows' (`within_quorum`)
-    batch_backoff: Backoff | None = None
-
-    def for_rows(self, count: int) -> list[RowParts]:
-        if count > 1 and self.more_rows is None:
-            raise ValueError(f"these speculation parts decode one text at a time, not a batch of {count}")
-        if count > 1 and self.batch_backoff is not None:
-            self.backoff = self.batch_backoff
-        first = RowParts(self.exit_policy, self.gate, self.lookup)
-        return [first] + [self.more_rows() for _ in range(count - 1)]
 
     def propose(self, rows: list[Row], limits: list[int], prefill: bool) -> list[Draft]:
         """Each row's proposal, of at most its limit: the back-off decides for the whole step
@@ -218,7 +204,10 @@ def speculative_decode(
     default) into `cache`, counting into `stats`."""
     runtime = Runtime.real(model, cache) if runtime is None else runtime
     forward, clock = runtime.forward, runtime.clock
-    batch = Batch(request, parts.for_rows(request.input_ids.shape[0]), cache)
+    batch_size = request.input_ids.shape[0]
+    if len(parts.rows) != batch_size:
+        raise ValueError(f"the parts were built for a batch of {len(parts.rows)}, the request has {batch_size} rows")
+    batch = Batch(request, parts.rows, cache)
     cached_length = kv_length = cache.get_seq_length()
     parts.drafter.continue_from(batch.rows[0].state, cached_length)
     # Where the criteria hold an EOS, a row that stops is padded; else it runs on (`Batch`).

@@ -376,7 +376,9 @@ def _speculative_sample(
         generation_config.output_scores or generation_config.output_logits
     )
     with rollback_view(filled_cache) as cache:
-        parts = plan.strategy.build(model, plan.params, cache, plan.assistant_model, online_corpus=plan.online_corpus)
+        parts = plan.strategy.build(
+            model, plan.params, cache, plan.assistant_model, online_corpus=plan.online_corpus, rows=input_ids.shape[0]
+        )
         request = DecodeRequest(
             input_ids,
             TokenSelector(logits_processor, generation_config.do_sample),

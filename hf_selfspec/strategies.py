@@ -197,28 +197,24 @@ class Strategy:
         assistant_model: nn.Module | None = None,
         model_drafter: Drafter | None = None,
         online_corpus: OnlineCorpus | None = None,
+        rows: int = 1,
     ) -> SpeculationParts:
-        """The strategy's parts for one decode; `model_drafter`, where given, stands in for the
-        model's own draft and the rest of the composition stays as it is; `online_corpus`, where
-        given, is a lookup source of the call's."""
+        """The strategy's parts for one decode of `rows` texts; `model_drafter`, where given,
+        stands in for the model's own draft and the rest of the composition stays as it is;
+        `online_corpus`, where given, is a lookup source of the call's. Each row decides its own
+        proposals; a batch's steps are weighed by the batch's back-off (`build_batch_backoff`)."""
         if assistant_model is not None and not self.accepts_assistant_model:
             raise ValueError(f"strategy {self.name!r} drafts with the model itself and does not take assistant_model")
         if assistant_model is not None:
             check_assistant(model, assistant_model)
-        def row_parts() -> RowParts:  # each row of a batch decides on its own
-            return RowParts(self.build_exit_policy(params), self.build_gate(params),
-                            self.build_lookup(model, params, online_corpus))
-
-        drafter = self.build_drafter(model, params, cache, assistant_model, model_drafter)
-        first = row_parts()
         return SpeculationParts(
-            drafter=drafter,
-            exit_policy=first.exit_policy,
-            gate=first.gate,
-            backoff=self.build_backoff(params),
-            lookup=first.lookup,
-            more_rows=row_parts,
-            batch_backoff=self.build_batch_backoff(params),
+            drafter=self.build_drafter(model, params, cache, assistant_model, model_drafter),
+            backoff=self.build_backoff(params) if rows == 1 else self.build_batch_backoff(params),
+            rows=[
+                RowParts(self.build_exit_policy(params), self.build_gate(params),
+                         self.build_lookup(model, params, online_corpus))
+                for _ in range(rows)
+            ],
             batch_quorum=params.batch_quorum,
         )
 

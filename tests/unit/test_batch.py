@@ -10,11 +10,11 @@ from transformers import Gemma3TextConfig
 
 from hf_selfspec.batch import quorum_rows, why_not_left_padded, within_quorum
 from hf_selfspec.cache import DraftAwareCache, Realignment
-from hf_selfspec.decoding import RowParts, SpeculationParts
-from hf_selfspec.decoding_types import Draft, ExitPolicy
+from hf_selfspec.decoding_types import Draft
 from hf_selfspec.params import SelfSpecParams
-from hf_selfspec.policies import Backoff, Gate, ThroughputBackoff
+from hf_selfspec.policies import Backoff, ThroughputBackoff
 from hf_selfspec.strategies import resolve_strategy
+from helpers.tiny_models import tiny_model
 
 WINDOW = 4
 
@@ -108,12 +108,9 @@ def test_a_batch_weighs_speculating_against_plain_steps_even_where_one_text_neve
     assert isinstance(batch_backoff, ThroughputBackoff)
     assert batch_backoff.modes.first_favoured_steps == strategy.UNMATCHED_FIRST_STEPS
 
-    def parts() -> SpeculationParts:
-        return SpeculationParts(None, ExitPolicy(0.5), Gate(), Backoff(), more_rows=lambda: RowParts(ExitPolicy(0.5), Gate()),
-                                batch_backoff=batch_backoff)
-
-    one, batch = parts(), parts()
-    one.for_rows(1)
-    batch.for_rows(3)
-    assert type(one.backoff) is Backoff
-    assert batch.backoff is batch_backoff
+    tiny = tiny_model("llama")
+    one, batch = strategy.build(tiny, never, cache=None), strategy.build(tiny, never, cache=None, rows=3)
+    assert type(one.backoff) is Backoff and len(one.rows) == 1
+    assert isinstance(batch.backoff, ThroughputBackoff) and len(batch.rows) == 3
+    # each row decides on its own
+    assert len({id(row.exit_policy) for row in batch.rows}) == len({id(row.gate) for row in batch.rows}) == 3

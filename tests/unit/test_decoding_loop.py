@@ -12,12 +12,13 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from hf_selfspec.cache import CACHE_ARGUMENT, DraftAwareCache
-from hf_selfspec.decoding import DecodeRequest, SpeculationParts, speculative_decode
+from hf_selfspec.decoding import DecodeRequest, RowParts, SpeculationParts, speculative_decode
 from hf_selfspec.decoding_types import TEXT_SOURCE, Draft, Drafter, ExitPolicy
 from hf_selfspec.policies import Backoff, Gate
 from hf_selfspec.selection import TokenSelector
@@ -150,7 +151,8 @@ def decode(prompt_length: int, max_length: int, script: list[Draft], max_proposa
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length)])
     if eos_token_id is not None:
         criteria.append(EosTokenCriteria(eos_token_id))
-    parts = SpeculationParts(drafter, ExitPolicy(0.0), Gate(), Backoff() if backoff is None else backoff, drafter.lookup)
+    backoff = Backoff() if backoff is None else backoff
+    parts = SpeculationParts(drafter, backoff, [RowParts(ExitPolicy(0.0), Gate(), drafter.lookup)])
     selector = TokenSelector(LogitsProcessorList(), do_sample=False)
     request = DecodeRequest(torch.tensor([TEXT[:prompt_length]]), selector, criteria, max_length, max_proposal_tokens)
     result = speculative_decode(verifier, cache, parts, request, StrategyStats())
@@ -266,6 +268,16 @@ def test_a_prompt_that_fills_max_length_runs_no_forward():
     assert result.sequences.tolist() == [TEXT[:4]]
     assert verifier.calls == [] and drafter.rollbacks == []
     assert counters(result.stats) == counters(StrategyStats())
+
+
+def test_parts_built_for_another_number_of_rows_are_refused():
+    cache = DraftAwareCache()
+    parts = SpeculationParts(ScriptedDrafter(cache, []), Backoff(), [RowParts(ExitPolicy(0.0), Gate())])
+    selector = TokenSelector(LogitsProcessorList(), do_sample=False)
+    two_rows = torch.tensor([TEXT[:3], TEXT[:3]])
+    request = DecodeRequest(two_rows, selector, StoppingCriteriaList([MaxLengthCriteria(6)]), 6, 4)
+    with pytest.raises(ValueError, match="built for a batch of 1, the request has 2 rows"):
+        speculative_decode(ScriptedVerifier(), cache, parts, request, StrategyStats())
 
 
 def test_the_loops_contract_stays_small():
