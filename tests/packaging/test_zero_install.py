@@ -164,7 +164,7 @@ def _shipped_configs() -> list[Path]:
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("config", _shipped_configs(), ids=lambda path: path.name)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.bfloat16_repeat), "float32"])
 def test_every_shipped_profile_lent_to_a_clean_checkpoint_without_hf_selfspec(tmp_path, config, dtype):
     """docs/hub.md's flow: `package --config <shipped>`, then `custom_generate=PKG` on an ordinary
     checkpoint folder (no profile, none of our files), in a venv without hf_selfspec. The shipped

@@ -128,7 +128,7 @@ def test_a_study_that_fits_only_alone_skips_the_corpus_and_the_adapter_for_it(ti
 
     monkeypatch.setattr(optimize_module, "plan_tune", plan_tune_needing)
     monkeypatch.setattr(optimize_module, "_MAX_TRIALS", 2)
-    slow_machine.pace.seconds_per_token = 0.01
+    slow_machine.pace.seconds_per_token = 0.1
     _optimize(tiny_llama_dir, tmp_path / "out", 30, slow_machine)
     stages = json.loads((tmp_path / "out" / WORK_DIR / STATE_FILE).read_text())["stages"]
     assert "only without a corpus and an adapter" in stages["corpus"]["reason"]
