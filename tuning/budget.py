@@ -33,6 +33,8 @@ CALIBRATION_ROUNDS = (7, 5, 3)
 TUNE_NEW_TOKENS = (64, 32)
 # Trials below which a study cannot tell a good draft from its warm start.
 MIN_TRIALS = 5
+# The fewest tune prompts a study is judged on: tuned on one prompt's text, a draft fits that text.
+MIN_STUDY_PROMPTS = 2
 # The cost model's timed runs besides the verifications (`calibration`): three drafts of six
 # tokens, a prefill, and two plain decodes of the sample's reference.
 _CALIBRATION_DRAFT_STEPS = 18
@@ -158,6 +160,17 @@ def plan_tune(
         return fitting
     return (f"skipped: {minutes(seconds)} left, and a study of {prompts} prompt(s) needs at least "
             f"{minutes(plans[-1].least)} here ({costs.step:.2f} s a token); give a larger --budget")
+
+
+def plan_study(seconds: float, costs: StepCosts, prompts: int, confirm_top: int) -> tuple[int, TunePlan] | str:
+    """The most of the `prompts` tune prompts whose study (`plan_tune`) fits in `seconds`: all of
+    them, else the first half, a quarter... down to `MIN_STUDY_PROMPTS`; the count and its plan. A
+    study of fewer prompts judges its trials on fewer kinds of text, but on a model too slow for
+    one prompt of every kind it is that or no profile. Where not even the fewest fit, why not."""
+    count = prompts
+    while isinstance(plan := plan_tune(seconds, costs, count, confirm_top), str) and count > MIN_STUDY_PROMPTS:
+        count = max(MIN_STUDY_PROMPTS, count // 2)
+    return plan if isinstance(plan, str) else (count, plan)
 
 
 def confirm_prompts(seconds: float, costs: StepCosts, per_prompt_decodes: int, max_new_tokens: int,

@@ -38,7 +38,7 @@ from hf_selfspec.tuner_api import (
 from . import TuningError, progress
 from .budget import (
     BATCH_CHUNKS, CHUNK_TOKENS, SHARES, StepCosts, adapter_plan, adapter_text_tokens, confirm_prompts, corpus_plan,
-    plan_tune,
+    plan_study, plan_tune,
 )
 from .optimize_state import OptimizeRequest, Run, load_state
 from .studies.config import PromptConfig
@@ -203,9 +203,9 @@ def _tune_first(run: Run) -> str | None:
     alone = run.remaining() - SHARES["confirm"] * run.request.budget_seconds
     if not isinstance(plan_tune(alone - run.share("corpus") - run.share("adapter"), costs, prompts, CONFIRM_TOP), str):
         return None
-    plan = plan_tune(alone, costs, prompts, CONFIRM_TOP)
-    if isinstance(plan, str):
-        raise TuningError(f"no profile: the tune stage would be {plan}")
+    planned = plan_study(alone, costs, prompts, CONFIRM_TOP)
+    if isinstance(planned, str):
+        raise TuningError(f"no profile: the tune stage would be {planned}")
     return (f"skipped: the study fits the {progress.minutes(alone)} left only without a corpus and an adapter; give a "
             "larger --budget for them")
 
@@ -292,9 +292,15 @@ def _tune(run: Run) -> dict[str, Any]:
     costs = _step_costs(measured)
     stage = run.remaining() - SHARES["confirm"] * run.request.budget_seconds
     prompts = tune_prompts(config.prompts, stage, costs.decode(config.prompts.max_new_tokens))
-    plan = plan_tune(stage, costs, len(select_study_prompts(prompts)), CONFIRM_TOP)
-    if isinstance(plan, str):
-        raise TuningError(f"no profile: the tune stage is {plan}")
+    count = len(select_study_prompts(prompts))
+    planned = plan_study(stage, costs, count, CONFIRM_TOP)
+    if isinstance(planned, str):
+        raise TuningError(f"no profile: the tune stage is {planned}")
+    size, plan = planned
+    if size < count:
+        prompts = dataclasses.replace(prompts, n_prompts=size)
+        print(f"     tune: a study of all {count} tune prompts does not fit the {progress.minutes(stage)} left "
+              f"({costs.step:.2f} s a token); it takes the first {size}", flush=True)
     # The trials run until the stage's time is spent (a rerun of the TOML too), never past a cap.
     trials = dataclasses.replace(config.study, n_trials=_MAX_TRIALS, timeout=max(round((1 - _PROMPT_SHARE) * stage), 1),
                                  calibration_rounds=plan.calibration_rounds)

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import tomllib
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,7 @@ from hf_selfspec import tuner_api
 from hf_selfspec.cli import main
 from hf_selfspec.tuning import optimize as optimize_module
 from hf_selfspec.tuning import progress, quickstart
-from hf_selfspec.tuning.budget import StepCosts, corpus_plan, plan_tune, tune_costs
+from hf_selfspec.tuning.budget import MIN_STUDY_PROMPTS, StepCosts, corpus_plan, plan_study, plan_tune, tune_costs
 from hf_selfspec.tuning.optimize_state import STATE_FILE, WORK_DIR
 from hf_selfspec.tuning.studies.config import SearchConfig
 from hf_selfspec.tuning.studies.toml_reader import ModelConfig
@@ -106,16 +107,37 @@ def _optimize(model_dir, output, minutes: float, machine) -> int:
 
 def test_a_model_too_slow_for_its_budget_stops_once_measured_and_says_why(tiny_llama_dir, tmp_path, slow_machine,
                                                                         capsys, one_thread):
-    """At a second a token, 30 minutes pay for no study even alone: the run stops as soon as the
-    model is measured, in one line saying why, not after a corpus the study could never use."""
+    """At three seconds a token, 30 minutes pay for no study even of the fewest prompts alone: the
+    run stops as soon as the model is measured, in one line saying why, not after a corpus the
+    study could never use."""
+    slow_machine.pace.seconds_per_token = 3.0
     status = _optimize(tiny_llama_dir, tmp_path / "out", 30, slow_machine)
     out = slow_machine.out
     assert status == 2
     stages = json.loads((tmp_path / "out" / WORK_DIR / STATE_FILE).read_text())["stages"]
     assert set(stages) == {"measure"}
     err = capsys.readouterr().err
-    assert "no profile: the tune stage would be skipped" in err and "--budget" in err
-    assert slow_machine.clock() <= 0.1 * 30 * 60  # the measure stage's share, not the budget
+    assert f"a study of {MIN_STUDY_PROMPTS} prompt(s) needs at least" in err and "--budget" in err
+    assert slow_machine.clock() <= 0.2 * 30 * 60  # the measure stage, not the budget
+    assert out.longest_silence(0.0) <= SILENCE, out.text
+
+
+def test_a_model_too_slow_for_a_prompt_of_every_kind_is_tuned_on_fewer(tiny_llama_dir, tmp_path, slow_machine,
+                                                                       monkeypatch, one_thread):
+    """At a second a token, 30 minutes pay for no study of the workload's eight tune prompts, one
+    per category, but for one of the first few: the run says so, tunes on those and writes a
+    profile within its budget."""
+    monkeypatch.setattr(optimize_module, "_MAX_TRIALS", 2)
+    status = _optimize(tiny_llama_dir, tmp_path / "out", 30, slow_machine)
+    out = slow_machine.out
+    assert status == 0, out.text
+    (said,) = [line for _, line in out.lines if "a study of all 8 tune prompts does not fit" in line]
+    taken = int(said.rsplit(" ", 1)[1])
+    assert MIN_STUDY_PROMPTS <= taken < 8
+    study = tomllib.loads((tmp_path / "out" / optimize_module.STUDY_FILE).read_text())
+    assert study["prompts"]["n_prompts"] == taken
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+    assert slow_machine.clock() <= 30 * 60
     assert out.longest_silence(0.0) <= SILENCE, out.text
 
 
@@ -197,6 +219,19 @@ def test_a_study_that_cannot_pay_back_is_skipped_with_its_reason():
     # Costs grow with the step: the same study at a tenth of the step costs a tenth.
     small = tune_costs(StepCosts(0.1, 0.24), 8, 64, 7, 2, 1)
     assert small.least == pytest.approx(tune_costs(big, 8, 64, 7, 2, 1).least / 10)
+
+
+def test_a_study_too_large_for_its_time_takes_fewer_prompts_before_none():
+    big = StepCosts(step=1.0, widest=2.4, prefill=4.0)
+    everything = plan_tune(3 * 60 * 60, big, prompts=8, confirm_top=2)
+    assert plan_study(3 * 60 * 60, big, 8, 2) == (8, everything)
+    least = {count: tune_costs(big, count, 32, 3, 2, 1).least for count in (8, 4, 3, 2)}
+    assert least[2] < least[3] < least[4] < least[8]
+    assert plan_study((least[4] + least[8]) / 2, big, 8, 2)[0] == 4
+    assert plan_study((least[2] + least[4]) / 2, big, 8, 2)[0] == 2
+    assert plan_study((least[2] + least[3]) / 2, big, 3, 2)[0] == 2
+    reason = plan_study(least[2] * 0.9, big, 8, 2)
+    assert isinstance(reason, str) and f"a study of {MIN_STUDY_PROMPTS} prompt(s)" in reason and "--budget" in reason
 
 
 def test_a_corpus_that_cannot_pay_back_is_skipped_with_its_reason():
