@@ -173,15 +173,17 @@ def plan_study(seconds: float, costs: StepCosts, prompts: int, confirm_top: int)
     return plan if isinstance(plan, str) else (count, plan)
 
 
-def confirm_prompts(seconds: float, costs: StepCosts, per_prompt_decodes: int, max_new_tokens: int,
-                    categories: int, most_per_category: int) -> tuple[int, str]:
-    """Held-out prompts a confirmation decoding each `per_prompt_decodes` times fits in `seconds`
-    (as many per category as pay, up to `most_per_category`; where not one per category pays,
-    the first categories' one each), or 0 and why it is skipped."""
-    per_prompt = per_prompt_decodes * costs.decode(max_new_tokens)
-    affordable = int(seconds / per_prompt)
+def confirm_prompts(seconds: float, costs: StepCosts, once_decodes: int, per_prompt_decodes: int,
+                    max_new_tokens: int, categories: int, most_per_category: int) -> tuple[int, str]:
+    """Held-out prompts a confirmation fits in `seconds`, decoding `once_decodes` times before the
+    first (the warm-ups) and `per_prompt_decodes` times each (as many per category as pay, up to
+    `most_per_category`; where not one per category pays, the first categories' one each), or 0
+    and why it is skipped."""
+    decode = costs.decode(max_new_tokens)
+    once, per_prompt = once_decodes * decode, per_prompt_decodes * decode
+    affordable = int(max(seconds - once, 0.0) / per_prompt)
     if not affordable:
-        return 0, (f"skipped: one held-out prompt costs {minutes(per_prompt)} here, {minutes(seconds)} are left; "
-                   "the profile is the best trial measured on the tune prompts")
+        return 0, (f"skipped: one held-out prompt costs {minutes(once + per_prompt)} here, {minutes(seconds)} are "
+                   "left; the profile is the best trial measured on the tune prompts")
     count = min(affordable, categories * most_per_category)
-    return count, f"{count} held-out prompt(s), about {minutes(count * per_prompt)}"
+    return count, f"{count} held-out prompt(s), about {minutes(once + count * per_prompt)}"

@@ -6,12 +6,16 @@ noisy neighbour, a background job) over all contenders alike, so it cancels in t
 A run stopped part-way (Ctrl-C, or a job scheduler's SIGTERM that the command line turns into
 the same interruption) can keep what it finished, as the bench asks: every prompt that each
 contender has decoded in the first repeat, or every whole repeat after that. Minutes of timings
-on a machine borrowed for a few are then not lost to the prompts that did not fit.
+on a machine borrowed for a few are then not lost to the prompts that did not fit. A run given
+the time it may take (a tuner's confirmation inside its budget) stops the same way, before a
+prompt that the time left would not pay for.
 """
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -41,7 +45,7 @@ class Measurements:
     references: list[TimedRun]
     logit_dtype: torch.dtype
     sampling: Sampling | None = None
-    # (prompts, repeats) the run was asked for, when an interruption stopped it short of them
+    # (prompts, repeats) the run was asked for, when an interruption or its time stopped it short
     planned: tuple[int, int] | None = None
 
 
@@ -81,6 +85,33 @@ def _empty_online_corpora(model, contenders: Sequence[Contender]) -> None:
             online_corpus(model, key).clear()
 
 
+def _time_contenders(model, contenders, inputs, common, sampling, repeat, bar, where) -> list[TimedRun]:
+    """Each contender's timed call on `inputs`, one after the other, the progress bar saying
+    which runs and counting each as it ends."""
+    runs = []
+    for contender in contenders:
+        bar.set_postfix_str(f"{where} {contender.name}")
+        runs.append(_timed_call(model, contender, inputs, common, sampling, repeat))
+        bar.update()
+    return runs
+
+
+def _kept(prompts, contenders, runs, references, repeats, finished_prompts, finished_repeats, **fields) -> Measurements:
+    """What a run finished: every whole repeat, or, stopped in the first, every prompt that each
+    contender decoded; `planned` says what was asked when that is less."""
+    kept_prompts = len(prompts) if finished_repeats else finished_prompts
+    kept_repeats = finished_repeats or 1
+    return Measurements(
+        prompts=list(prompts[:kept_prompts]),
+        contenders=list(contenders),
+        runs={name: [done[:kept_prompts] for done in per_repeat[:kept_repeats]] for name, per_repeat in runs.items()},
+        repeats=kept_repeats,
+        references=references[:kept_prompts],
+        planned=None if (kept_prompts, kept_repeats) == (len(prompts), repeats) else (len(prompts), repeats),
+        **fields,
+    )
+
+
 def measure(
     model,
     tokenizer,
@@ -92,6 +123,7 @@ def measure(
     sampling: Sampling | None = None,
     progress: bool = True,
     keep_when_interrupted: bool = False,
+    time_left: Callable[[], float] | None = None,
 ) -> Measurements:
     """Time each contender on each prompt `repeats` times, after one uncounted warm-up run per
     contender on the first prompt (lazy initialisation, allocator growth and, on GPUs, kernel
@@ -106,6 +138,10 @@ def measure(
     returns what was finished, with `planned` set; otherwise it re-raises, as a caller that acts
     on the figures (the tuner choosing a winner) needs.
 
+    With `time_left` (the seconds left, on the caller's clock), no prompt after the first starts
+    when less time is left than the prompt before it took: the run returns what was finished,
+    with `planned` set.
+
     With `sampling`, every contender samples with its settings, each timed call of repeat `r`
     starting from seed `sampling.seed + r`, and no reference is decoded."""
     contenders = _checked_contenders(prompts, contenders, repeats, sampling)
@@ -117,18 +153,20 @@ def measure(
     total = (len(prompts) if sampling is None else 0) + len(contenders) * (1 + repeats * len(prompts))
     references: list[TimedRun] = []
     finished_prompts = finished_repeats = 0  # measured for every contender
+    last_prompt, out_of_time = 0.0, False  # the seconds the prompt before took, by `time_left`'s clock
     bar = tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", desc="bench", dynamic_ncols=True)
     try:
         with bar:
             if any(contender.takes_our_kernels for contender in contenders):
                 bar.set_postfix_str("timing the verifier's kernels")
                 choose_layouts(model)
-            for contender in contenders:
-                bar.set_postfix_str(f"warm-up {contender.name}")
-                _timed_call(model, contender, encoded[0], common, sampling, 0)
-                bar.update()
+            _time_contenders(model, contenders, encoded[0], common, sampling, 0, bar, "warm-up")
             for repeat in range(repeats):
                 for index, inputs in enumerate(encoded):
+                    left = time_left() if time_left else math.inf
+                    out_of_time = finished_prompts > 0 and left < last_prompt
+                    if out_of_time:
+                        break
                     if index == 0 or prompts[index].stream != prompts[index - 1].stream:
                         _empty_online_corpora(model, contenders)
                     if repeat == 0 and sampling is None:
@@ -137,27 +175,19 @@ def measure(
                             timed_generate(model, inputs, **common, strategy=PLAIN, do_sample=False, output_logits=True)
                         )
                         bar.update()
-                    for contender in contenders:
-                        bar.set_postfix_str(
-                            f"repeat {repeat + 1}/{repeats} prompt {index + 1}/{len(encoded)} {contender.name}"
-                        )
-                        runs[contender.name][repeat].append(_timed_call(model, contender, inputs, common, sampling, repeat))
-                        bar.update()
+                    where = f"repeat {repeat + 1}/{repeats} prompt {index + 1}/{len(encoded)}"
+                    timed = _time_contenders(model, contenders, inputs, common, sampling, repeat, bar, where)
+                    for contender, run in zip(contenders, timed):
+                        runs[contender.name][repeat].append(run)
                     finished_prompts = index + 1
+                    last_prompt = left - time_left() if time_left else 0.0
+                if out_of_time:
+                    break
                 finished_repeats = repeat + 1
     except KeyboardInterrupt:
         if not keep_when_interrupted or not (finished_repeats or finished_prompts):
             raise
-    kept_prompts = len(prompts) if finished_repeats else finished_prompts
-    kept_repeats = finished_repeats or 1
-    return Measurements(
-        prompts=list(prompts[:kept_prompts]),
-        contenders=list(contenders),
-        runs={name: [done[:kept_prompts] for done in per_repeat[:kept_repeats]] for name, per_repeat in runs.items()},
-        max_new_tokens=max_new_tokens,
-        repeats=kept_repeats,
-        references=references[:kept_prompts],
-        logit_dtype=model.dtype,
-        sampling=sampling,
-        planned=None if (kept_prompts, kept_repeats) == (len(prompts), repeats) else (len(prompts), repeats),
+    return _kept(
+        prompts, contenders, runs, references, repeats, finished_prompts, finished_repeats,
+        max_new_tokens=max_new_tokens, logit_dtype=model.dtype, sampling=sampling,
     )

@@ -361,6 +361,28 @@ def test_an_interrupted_run_keeps_what_every_contender_finished(tiny_model, prom
     assert stopped == (None if measured.planned is None else {"planned_prompts": 2, "planned_repeats": 2})
 
 
+@pytest.mark.parametrize(
+    ("seconds_left", "prompts"),
+    [
+        ((100, 60, 30), 1),  # prompt 1 took 40 s and 30 are left: prompt 2 does not start
+        ((100, 60, 40, 0), 2),  # 40 left pay for another 40: both run, though none is left after
+    ],
+)
+def test_a_run_given_its_time_starts_no_prompt_the_time_left_does_not_pay_for(tiny_model, prompt_file, seconds_left,
+                                                                           prompts):
+    model, tokenizer = tiny_model
+    plain = {"strategy": PLAIN, "do_sample": False}
+    contenders = [Contender(BASELINE, plain, "baseline", "-"), Contender("twin", plain, "transformers", "-")]
+    clock = iter(seconds_left)
+    measured = measure(model, tokenizer, load_prompts(prompt_file), contenders, max_new_tokens=4, repeats=1,
+                       progress=False, time_left=lambda: next(clock))
+    assert [prompt.id for prompt in measured.prompts] == ["add", "sea"][:prompts]
+    assert len(measured.references) == prompts
+    assert all(len(done) == prompts for runs in measured.runs.values() for done in runs)
+    assert measured.planned == (None if prompts == 2 else (2, 1))
+    assert next(clock, "read them all") == "read them all"
+
+
 def test_the_verifiers_layouts_are_chosen_before_anything_is_timed(tiny_model, prompt_file, monkeypatch):
     """Only where one of our strategies runs, and before the first warm-up."""
     import hf_selfspec.bench.runner as runner

@@ -10,9 +10,11 @@ import signal
 import subprocess
 from types import SimpleNamespace
 
+import optuna
 import pytest
 from helpers import REPO_ROOT
 from helpers.tuning import OPTIMIZE_BUDGET, cli_command, cli_env, sigkill_when
+from optuna.trial import TrialState
 
 from hf_selfspec.cli import main
 from hf_selfspec.loading import load_model_and_tokenizer
@@ -20,6 +22,7 @@ from hf_selfspec.profiles import read_profiles, read_profiles_file
 from hf_selfspec.tuning import budget as budget_module
 from hf_selfspec.tuning import optimize as optimize_module
 from hf_selfspec.tuning.budget import adapter_plan, adapter_text_tokens, corpus_plan
+from hf_selfspec.tuning.studies.categories import is_feasible
 from hf_selfspec.tuning.studies.config import load_study_config
 from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
 from hf_selfspec.tuning.optimize import STAGES, STUDY_FILE, tune_prompts
@@ -123,6 +126,17 @@ def test_it_writes_a_loadable_profile_and_a_rerunnable_study(finished):
     assert study.search.lookup_corpus  # the corpus the study tuned with
     assert study.study.objective == "estimated"
     assert study.prompts.source == "workload"
+
+
+def test_the_held_out_prompts_confirm_the_trial_fastest_on_the_tune_prompts(finished):
+    """Chosen before the held-out prompts are decoded, so that their figure is not a best of several."""
+    stages = _state(finished.output)["stages"]
+    study = optuna.load_study(study_name=stages["tune"]["study"], storage=stages["tune"]["storage"])
+    fastest = max((trial for trial in study.get_trials(states=(TrialState.COMPLETE,)) if is_feasible(trial)),
+                  key=lambda trial: trial.value)
+    confirmed = json.loads((finished.output / WORK_DIR / "confirm.json").read_text())["contenders"]
+    assert [row["name"] for row in confirmed if row["name"].startswith("trial ")] == [f"trial {fastest.number}"]
+    assert stages["confirm"]["winner"] == fastest.number
 
 
 def test_a_finished_run_is_not_run_again(finished, monkeypatch, capsys):

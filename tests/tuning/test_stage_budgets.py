@@ -20,7 +20,9 @@ from hf_selfspec import tuner_api
 from hf_selfspec.cli import main
 from hf_selfspec.tuning import optimize as optimize_module
 from hf_selfspec.tuning import progress, quickstart
-from hf_selfspec.tuning.budget import MIN_STUDY_PROMPTS, StepCosts, corpus_plan, plan_study, plan_tune, tune_costs
+from hf_selfspec.tuning.budget import (
+    MIN_STUDY_PROMPTS, StepCosts, confirm_prompts, corpus_plan, plan_study, plan_tune, tune_costs,
+)
 from hf_selfspec.tuning.optimize_state import STATE_FILE, WORK_DIR
 from hf_selfspec.tuning.studies.config import SearchConfig
 from hf_selfspec.tuning.studies.toml_reader import ModelConfig
@@ -283,3 +285,17 @@ def test_a_step_timed_below_a_one_token_forward_pass_is_priced_as_that_pass():
     costs = StepCosts.of(0.44, {"1": 0.66, "32": 1.4}, prefill=6.9)  # as read back from optimize.json
     assert (costs.step, costs.widest, costs.prefill) == (0.66, 1.4, 6.9)
     assert StepCosts.of(0.8, {1: 0.66, 32: 1.4}).step == 0.8
+
+
+def test_a_confirmation_pays_its_warm_ups_once_and_then_as_many_prompts_as_fit():
+    costs = StepCosts(step=1.0, widest=2.4, prefill=4.0)
+    decode = costs.decode(64)
+    warm_ups, per_prompt = 4, 5  # four contenders; a reference and one decode by each a prompt
+    for prompts in (1, 2, 3):
+        seconds = (warm_ups + per_prompt * (prompts + 0.5)) * decode
+        count, said = confirm_prompts(seconds, costs, warm_ups, per_prompt, 64, categories=8, most_per_category=4)
+        assert count == prompts and said.startswith(f"{prompts} held-out prompt(s)")
+    count, said = confirm_prompts(1e9, costs, warm_ups, per_prompt, 64, categories=8, most_per_category=4)
+    assert count == 32  # four of each category at most
+    count, said = confirm_prompts((warm_ups + per_prompt) * decode * 0.99, costs, warm_ups, per_prompt, 64, 8, 4)
+    assert count == 0 and said.startswith("skipped") and "best trial measured on the tune prompts" in said
