@@ -130,8 +130,8 @@ class OnlineLookup:
 
 class PromptLookup:
     """Lookup's sources beside the model's draft: the text first, then the corpus (if any),
-    then the model, whose drafts stay within `max_draft_tokens`. Where both lookup and the
-    model could propose, `sources` picks which one does.
+    then the model, whose drafts stay within `max_draft_tokens` (0: the model never drafts).
+    Where both lookup and the model could propose, `sources` picks which one does.
 
     The online corpus (if any) goes before the text's own match where its context reaches
     further back than the text's match does: a short match in the text is often chance (a `": "`
@@ -203,7 +203,7 @@ class PromptLookup:
                 self.asked.append((self.corpus.backoff, CORPUS_SOURCE))
                 if self.corpus.backoff.should_speculate():
                     draft = corpus_draft
-        if draft.tokens and self.sources.lookup_first():
+        if not self.max_draft_tokens or (draft.tokens and self.sources.lookup_first()):
             return draft
         if not draft.tokens:
             self.asked.append((self.model_backoff, MODEL_SOURCE))

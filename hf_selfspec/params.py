@@ -22,6 +22,9 @@ class SelfSpecParams:
 
     attn_skip_layers: tuple[int, ...] = ()
     mlp_skip_layers: tuple[int, ...] = ()
+    # 0: the model never drafts, and prompt lookup alone proposes (with no lookup, every step
+    # is a plain one on the verifier's kernels): where no draft of the model pays, the loop
+    # still keeps what copying text gains.
     max_draft_tokens: int = 8
     draft_exit_threshold: float = 0.6
     target_acceptance: float = 0.9
@@ -118,7 +121,7 @@ _PROBABILITY_KEYS = (
 # exports or uploads a profile carries these files along.
 PATH_KEYS = ("draft_adapter", "lookup_corpus", "online_corpus_file")
 _COUNT_KEYS = {
-    "max_draft_tokens": 1,
+    "max_draft_tokens": 0,
     "prompt_lookup_tokens": 0,
     "prompt_lookup_ngram": 1,
     "prompt_lookup_min_ngram": 1,

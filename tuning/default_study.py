@@ -109,7 +109,7 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
     ratios = (0.25, 0.5) if num_layers < 8 else (0.25, 0.4, 0.5)
     exits = adapter_exit_layers(num_layers)
     ranges: dict[str, tuple[float, float]] = {
-        "max_draft_tokens": (1, draft),
+        "max_draft_tokens": (0, draft),  # 0: lookup alone, where no draft of the model pays
         "prompt_lookup_tokens": (1, lookup_start),
         "prompt_lookup_max_tokens": (lookup_start, lookup),
         "prompt_lookup_min_tokens": (1, lookup_start),

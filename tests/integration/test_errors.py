@@ -53,7 +53,7 @@ def test_unknown_strategy_lists_available(model):
         ({"draft_exit_threshold": 1.5}, r"draft_exit_threshold must lie in \[0, 1\]"),
         ({"target_confidence_threshold": -0.1}, r"target_confidence_threshold must lie in \[0, 1\]"),
         ({"target_acceptance": 2}, r"target_acceptance must lie in \[0, 1\]"),
-        ({"max_draft_tokens": 0}, "max_draft_tokens must be >= 1"),
+        ({"max_draft_tokens": -1}, "max_draft_tokens must be >= 0"),
         ({"attn_skip_layers": "0,1"}, "attn_skip_layers must be a list of layer indices"),
     ],
 )

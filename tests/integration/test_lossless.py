@@ -9,6 +9,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_selfspec
 from hf_selfspec.consistency import check_greedy_consistency
+from hf_selfspec.drafters import LayerSkipDrafter
 from helpers.greedy import assert_same_greedy, random_prompts
 from helpers.tiny_models import ARCHITECTURES, NUM_LAYERS, SLIDING_WINDOW, tiny_model
 
@@ -263,3 +264,22 @@ def test_adaptive_lookup_and_draft_source_choice_match_plain_greedy(architecture
                 max_draft_tokens=3, draft_exit_threshold=0.0, prompt_lookup_tokens=2, prompt_lookup_min_ngram=1,
                 prompt_lookup_max_tokens=16, prompt_lookup_min_tokens=2, draft_source_probe_interval=2,
             )
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_a_model_that_never_drafts_leaves_lookup_alone_and_matches_plain_greedy(architecture, monkeypatch):
+    """`max_draft_tokens=0`: prompt lookup still proposes (the sharp weights' output repeats, so
+    it does), the model's draft is never run, and the tokens are plain greedy's; with no lookup
+    every step is a plain one."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model drafted with max_draft_tokens=0")
+
+    monkeypatch.setattr(LayerSkipDrafter, "propose_rows", never)
+    model = tiny_model(architecture, initializer_range=0.3)
+    for prompt in random_prompts(model.config.vocab_size):
+        lookup = assert_same_greedy(model, prompt, strategy="self_speculative", max_draft_tokens=0,
+                                    prompt_lookup_tokens=4, prompt_lookup_min_ngram=1, backoff_probe_interval=0)
+        assert lookup.strategy_stats.drafted_tokens > 0
+        alone = assert_same_greedy(model, prompt, strategy="self_speculative", max_draft_tokens=0)
+        assert alone.strategy_stats.drafted_tokens == 0 and alone.strategy_stats.verification_steps == 0

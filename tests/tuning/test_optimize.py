@@ -195,7 +195,7 @@ def test_ranges_follow_the_shape_and_the_verification_cost():
     assert len(deep_wide.warm_start_skip_ratios) > len(shallow_small.warm_start_skip_ratios)
     for space in (deep_wide, shallow_small):
         low, high = space.ranges["max_draft_tokens"]
-        assert 1 <= low < high  # always something to search
+        assert low == 0 < 1 < high  # lookup alone, and drafts of more than one token
     with pytest.raises(ValueError, match="width 1"):
         derive_space(8, 1000, {2: 1.0})
 
@@ -205,7 +205,7 @@ def test_a_costly_step_to_two_tokens_does_not_hide_cheap_wide_verifications():
     # width after that comes nearly free, so long lookups pay where a draft is taken whole.
     kernel_change = {1: 1.0, 2: 1.96, 4: 2.15, 8: 2.2, 16: 2.5, 32: 3.25}
     space = derive_space(18, 262_144, kernel_change)
-    assert space.ranges["max_draft_tokens"] == (1, 16)
+    assert space.ranges["max_draft_tokens"] == (0, 16)
     assert space.ranges["prompt_lookup_tokens"] == (1, 10) and space.ranges["prompt_lookup_max_tokens"] == (10, 31)
     # Where each added token costs more than half of one, the reach stops there.
     steep = {1: 1.0, 2: 1.9, 4: 2.2, 8: 5.0, 16: 9.0, 32: 17.0}

@@ -12,6 +12,7 @@ from hf_selfspec.cli import main
 from hf_selfspec.params import PARAM_NAMES, default_skip_layers, resolve_params
 from hf_selfspec.tuning.studies.config import SearchConfig, StudyConfigError, load_study_config
 from hf_selfspec.tuning.studies.space import (
+    ADAPTER_PARAM,
     decode_params,
     evenly_spread_layers,
     skip_param_name,
@@ -177,6 +178,22 @@ def test_warm_starts_cover_default_spread_and_no_skips():
     assert len({tuple(d["attn_skip_layers"]) for d in decoded}) == len(decoded) == 4
     for params in decoded:
         resolve_params(30, params)  # generate would accept every one of them
+
+
+def test_a_range_that_admits_no_model_draft_adds_a_lookup_alone_warm_start():
+    """Only where the study lets `max_draft_tokens` be 0: the first trial (the default skip set,
+    or the first adapter) once more, with the model never drafting."""
+    narrow = warm_start_trials(SearchConfig(warm_start_skip_ratios=(0.5,)), num_layers=30)
+    search = SearchConfig(warm_start_skip_ratios=(0.5,), ranges={"max_draft_tokens": (0, 6)})
+    trials = warm_start_trials(search, num_layers=30)
+    assert len(trials) == len(narrow) + 1
+    assert [trial["max_draft_tokens"] for trial in trials] == [6] * len(narrow) + [0]
+    assert {**trials[-1], "max_draft_tokens": 6} == trials[0]
+    assert resolve_params(30, decode_params(trials[-1], search.strategy, 30)).max_draft_tokens == 0
+    adapters = SearchConfig(strategy="kangaroo", draft_adapters={"a": "a.safetensors", "b": "b.safetensors"},
+                            ranges={"max_draft_tokens": (0, 6)})
+    trials = warm_start_trials(adapters, num_layers=30)
+    assert [(trial[ADAPTER_PARAM], trial["max_draft_tokens"]) for trial in trials] == [("a", 6), ("b", 6), ("a", 0)]
 
 
 def test_even_spread_keeps_the_first_and_last_layer():

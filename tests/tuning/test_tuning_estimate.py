@@ -151,6 +151,14 @@ def _kangaroo_estimate_checked_by_decoding(model, params, length: int, seed: int
     return data, estimated
 
 
+def test_the_estimate_of_lookup_alone_counts_what_decoding_does(sharp_llama):
+    """`max_draft_tokens` 0 (the warm start's lookup alone): lookup proposes, the model never
+    drafts, in the estimate as in a decode."""
+    params = resolve_params(NUM_LAYERS, {**EVERY_RULE, "max_draft_tokens": 0, "backoff_probe_interval": 0})
+    total, _ = _estimated_as_decoded(sharp_llama, params, "self_speculative", lambda data: StrategyStats())
+    assert total.drafted_tokens > 0 and total.accepted_alternatives == 0
+
+
 @pytest.mark.parametrize(
     "strategy, draft",
     [

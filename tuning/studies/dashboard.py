@@ -62,7 +62,8 @@ def _knobs_in_words(params: dict[str, Any]) -> str:
         # than the knob) was at its default.
         return params.get(name, getattr(defaults, name))
 
-    words = [f"drafts up to {value('max_draft_tokens')} tokens"]
+    drafts = value("max_draft_tokens")
+    words = [f"drafts up to {drafts} tokens" if drafts else "never lets the model draft"]
     if "target_acceptance" in params:
         words.append(
             f"starts its exit threshold at {value('draft_exit_threshold'):.2f} and steers it towards "

@@ -39,7 +39,7 @@ def _fixed_at_default(name: str) -> tuple[float, float]:
 KNOBS: dict[str, Knob] = {
     knob.name: knob
     for knob in (
-        Knob("max_draft_tokens", int, (1, 12), (1, None)),
+        Knob("max_draft_tokens", int, (1, 12), (0, None)),
         Knob("draft_exit_threshold", float, (0.05, 0.95), (0.0, 1.0)),
         # α of Draft & Verify: the acceptance rate the adaptive threshold steers towards.
         Knob("target_acceptance", float, (0.5, 0.95), (0.0, 1.0)),

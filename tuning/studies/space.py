@@ -112,7 +112,9 @@ def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, A
     Otherwise: the documented default skip set, evenly spread skip sets at the configured
     ratios, and no skips at all (the draft is the full model, so it shows what drafting alone
     costs); identical skip sets appear once. Numeric knobs start at their `SelfSpecParams`
-    defaults, moved into the configured range."""
+    defaults, moved into the configured range. Where that range lets `max_draft_tokens` be 0,
+    one more trial, the first again, has the model never draft (lookup alone), so that a study on
+    a model no draft pays for starts from what copying gains."""
     defaults = SelfSpecParams()
     # A study that may switch the corpus on starts with it on: it was written for text that repeats.
     online = True in search.online_corpus
@@ -123,16 +125,19 @@ def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, A
         low, high = search.range_of(name)
         knob_values[name] = min(max(getattr(defaults, name), low), high)
     if search.draft_adapters:
-        return [{ADAPTER_PARAM: adapter, **knob_values} for adapter in search.draft_adapters]
-    skip_sets = [default_skip_layers(num_layers)[0]]
-    skip_sets += [evenly_spread_layers(num_layers, ratio) for ratio in search.warm_start_skip_ratios]
-    skip_sets.append(())
-    trials = []
-    for layers in dict.fromkeys(skip_sets):
-        params = {
-            skip_param_name(sub_layer, layer): layer in layers
-            for layer in range(num_layers)
-            for sub_layer in SUB_LAYERS
-        }
-        trials.append({**params, **knob_values})
+        trials = [{ADAPTER_PARAM: adapter, **knob_values} for adapter in search.draft_adapters]
+    else:
+        skip_sets = [default_skip_layers(num_layers)[0]]
+        skip_sets += [evenly_spread_layers(num_layers, ratio) for ratio in search.warm_start_skip_ratios]
+        skip_sets.append(())
+        trials = []
+        for layers in dict.fromkeys(skip_sets):
+            params = {
+                skip_param_name(sub_layer, layer): layer in layers
+                for layer in range(num_layers)
+                for sub_layer in SUB_LAYERS
+            }
+            trials.append({**params, **knob_values})
+    if search.range_of("max_draft_tokens")[0] == 0:
+        trials.append({**trials[0], "max_draft_tokens": 0})
     return trials
