@@ -256,6 +256,14 @@ def generate_with_strategy(
     plan = _plan_strategy(model, strategy, explicit, args, kwargs, lent_profiles)
     if plan is None:
         return _fed(online, plain_generate(*args, **kwargs), model, args, kwargs)
+    batch = _batch_size(_call_generation_config(model, args, kwargs), args, kwargs)
+    if plan.params.max_batch_size and batch > plan.params.max_batch_size:
+        # A batch too large to speculate on still takes its plain steps on the kernel our loop
+        # would take them on: a batch's few rows a step are what that kernel is chosen for.
+        logger.info("Decoding plainly on the loop's kernel: a batch of %d is more than max_batch_size %d.",
+                    batch, plan.params.max_batch_size)
+        with verifying(model):
+            return _fed(online, plain_generate(*args, **kwargs), model, args, kwargs)
     if online is not None and plan.params.online_corpus_file:
         online.start_from(plan.params.online_corpus_file)
     plan = replace(plan, online_corpus=online)
@@ -344,10 +352,6 @@ def _plan_strategy(
         anchor_profile_files(model, config_values),
         anchor_profile_files(model, profile.params, profile_dir) if profile is not None else {},
     )
-    batch = _batch_size(config, args, kwargs)
-    if params.max_batch_size and batch > params.max_batch_size:
-        logger.info("Decoding plainly: a batch of %d is more than max_batch_size %d.", batch, params.max_batch_size)
-        return None
     return StrategyPlan(resolved, params, kwargs.get("assistant_model"), from_profile=strategy is None)
 
 

@@ -19,8 +19,10 @@ thread count, the first time a verification meets them (or all at once, `choose_
 Only what runs inside `verifying` changes, and only on the CPU, without autograd, for the plain
 `torch.nn.Linear` layers of the model: a prefill outside the loop, training and every other
 caller keep the stock kernel, and plain decoding does too unless its caller asks
-(`generate(..., narrow_kernels=True)`). Inside `stock_kernels` even a verification keeps the
-stock kernel, so that a draft's share of a speed-up can be told from the kernel's. The kernels sum in different orders, as the stock
+(`generate(..., narrow_kernels=True)`) or a profile declines a batch larger than its
+`max_batch_size`, whose plain steps are the few-row products this kernel is chosen for. Inside
+`stock_kernels` even a verification keeps the stock kernel, so that a draft's share of a
+speed-up can be told from the kernel's. The kernels sum in different orders, as the stock
 kernel already does at a different number of rows, so the verifier's logits may differ from
 plain decoding's in their last bits, never in more.
 

@@ -6,7 +6,9 @@ last batch smaller), so that every category keeps a figure of its own as at batc
 batch size, batch after batch, interleaved as the rest of the bench is: plain batched `generate`
 (the baseline), each of our contenders on the whole batch, and each of them at batch one on the
 batch's prompts one after another (`vs batch 1`: what the same user gets without batching).
-transformers' prompt lookup and assisted decoding refuse a batch, so they are no contenders here.
+transformers' prompt lookup and assisted decoding refuse a batch, so they are no contenders here;
+plain batched `generate` on our kernels is, where asked for (`plain+our_kernels`): the ratio
+against it (`x plain, our kernels`) is what speculation earns on equal kernels.
 
 A batch's tokens are each row's new tokens up to its end (its EOS, or the limit); the padding
 after a row that stopped is none. Each greedy contender's rows are checked against plain batched
@@ -28,18 +30,18 @@ from ..consistency import check_greedy_consistency
 from ..measure import timed, until_end
 from ..prompts import Prompt, encode_batch, encode_prompt
 from ..stats import geometric_mean
-from .contenders import BASELINE, HF_SELFSPEC, Contender
+from .contenders import BASELINE, HF_SELFSPEC, PLAIN_OUR_KERNELS, Contender
 
 BATCHES_FILE = "batches.json"
 UNCATEGORISED = "all"
 
 
 def batch_contenders(contenders: Sequence[Contender]) -> list[Contender]:
-    """The contenders that decode a batch: the baseline and ours, none with an online corpus
-    (a corpus learns across requests, which a batch decodes at once)."""
+    """The contenders that decode a batch: the baseline, the baseline on our kernels and ours,
+    none with an online corpus (a corpus learns across requests, which a batch decodes at once)."""
     return [
         contender for contender in contenders
-        if (contender.name == BASELINE or contender.family == HF_SELFSPEC)
+        if (contender.name in (BASELINE, PLAIN_OUR_KERNELS) or contender.family == HF_SELFSPEC)
         and "online_corpus" not in contender.generate_kwargs
     ]
 
@@ -93,7 +95,7 @@ class _Batches:
             self._add(contender.name, repeat, index, seconds)
             if repeat == 0 and contender.lossless:
                 self.checks[contender.name] += self._checked(_rows(output.sequences, width, self.eos))
-            if size > 1 and contender.name != BASELINE:
+            if size > 1 and contender.family == HF_SELFSPEC:
                 alone = sum(self._alone(prompt, contender) for prompt in self.batches[index][1])
                 self._add(f"{contender.name}@1", repeat, index, alone)
 
@@ -126,6 +128,10 @@ class _Batches:
             "tokens_per_second": statistics.median(tokens / seconds for seconds in mine),
             "speedup": statistics.median(theirs / ours for theirs, ours in zip(plain, mine)),
         }
+        if PLAIN_OUR_KERNELS in self.seconds:
+            figures["equal_kernels"] = statistics.median(
+                theirs / ours for theirs, ours in zip(total(PLAIN_OUR_KERNELS), mine)
+            )
         if f"{name}@1" in self.seconds:
             figures["vs_batch_one"] = statistics.median(
                 alone / ours for alone, ours in zip(total(f"{name}@1"), mine)
@@ -181,16 +187,18 @@ def measure_batches(
 
 def render_batches(results: dict[str, Any]) -> str:
     """The terminal table: per batch size, each contender's tokens per second over the batches,
-    its speedup over plain batched `generate` and over itself at batch one, and per category."""
+    its speedup over plain batched `generate` (on its kernels and on ours, where measured) and
+    over itself at batch one, and per category."""
     lines = []
     for size, figures in results["sizes"].items():
         lines += ["", f"batch size {size}: {figures['batches']} batches, {figures['tokens']} tokens", ""]
-        lines.append(f"{'contender':<28} {'tok/s':>8} {'x plain batched':>16} {'x own at batch 1':>17}  consistent")
+        lines.append(f"{'contender':<28} {'tok/s':>8} {'x plain batched':>16} {'x plain, our kernels':>21} "
+                     f"{'x own at batch 1':>17}  consistent")
         for name, row in figures["contenders"].items():
             alone = f"{row['vs_batch_one']:.2f}x" if "vs_batch_one" in row else "-"
-            lines.append(
-                f"{name:<28} {row['tokens_per_second']:>8.1f} {row['speedup']:>15.2f}x {alone:>17}  {row['consistency']}"
-            )
+            equal = f"{row['equal_kernels']:.2f}x" if "equal_kernels" in row else "-"
+            lines.append(f"{name:<28} {row['tokens_per_second']:>8.1f} {row['speedup']:>15.2f}x {equal:>21} "
+                         f"{alone:>17}  {row['consistency']}")
         categories = sorted(next(iter(figures["contenders"].values()))["categories"])
         if len(categories) > 1:
             lines += ["", "x plain batched per category: " + ", ".join(categories) + ", geometric mean"]

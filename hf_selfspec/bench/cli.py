@@ -229,8 +229,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=positive_ints,
         metavar="N[,N...]",
         help="decode the prompts in batches of each of these sizes, each batch of one category, left-padded: "
-        "plain batched generate against our contenders on the whole batch and at batch 1 on its prompts, in "
-        "tokens per second over the batch, per category; writes batches.json (greedy only)",
+        "plain batched generate (on its kernels and on ours) against our contenders on the whole batch and at "
+        "batch 1 on its prompts, in tokens per second over the batch, per category; writes batches.json "
+        "(greedy only)",
     )
     parser.add_argument(
         "--device", help="device to run on, e.g. cpu, cuda or cuda:1 (default: cuda when available, else cpu)"

@@ -271,17 +271,32 @@ def test_a_bad_attention_mask_gets_one_clear_line(llama, case):
     assert len(message.splitlines()) == 1 and "attention_mask" in message and phrase in message, message
 
 
-def test_a_batch_larger_than_max_batch_size_decodes_plainly(llama):
+def test_a_batch_larger_than_max_batch_size_decodes_plainly_on_the_loops_kernel(llama, monkeypatch):
+    """Beyond `max_batch_size` a batch decodes as plain batched greedy does, token for token,
+    its few-row products on the kernel the loop would choose (`narrow_linear`)."""
+    from hf_selfspec import narrow_linear
     from hf_selfspec.profiles import PROFILE_KEY
 
+    transposed = []
+    monkeypatch.setattr(narrow_linear, "fastest_layout", lambda weight, band, packable=False: narrow_linear.TRANSPOSED)
+    original = narrow_linear._transposed
+    monkeypatch.setattr(narrow_linear, "_transposed",
+                        lambda weight, rows: transposed.append(rows.shape[0]) or original(weight, rows))
     profile = {"strategy": "self_speculative", "params": {"max_batch_size": 2, "draft_exit_threshold": 0.0}}
     setattr(llama.generation_config, PROFILE_KEY, {"cpu/float32": profile})
     try:
         for rows, speculates in ((1, True), (2, True), (3, False)):
             input_ids, attention_mask = ragged_batch(96, rows)
+            plain = llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
+                                   pad_token_id=PAD, strategy="plain")
+            transposed.clear()
             output = llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
                                     pad_token_id=PAD, return_dict_in_generate=True)
             assert isinstance(output, hf_selfspec.SelfSpecGenerateOutput) == speculates, rows
+            assert output.sequences.tolist() == plain.tolist(), rows
+            assert transposed, rows
+            if not speculates:  # plain steps: one token a row, every step after the prefill's
+                assert transposed.count(rows) >= 7 and set(transposed) <= {rows, input_ids.numel()}
         input_ids, attention_mask = ragged_batch(96, 3)
         explicit = llama.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
                                   pad_token_id=PAD, return_dict_in_generate=True, strategy="self_speculative",

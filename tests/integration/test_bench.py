@@ -986,8 +986,8 @@ def test_each_stream_starts_its_contenders_online_corpus_empty(tiny_model, monke
 
 def test_batch_sizes_measure_whole_batches_per_category_against_plain_batched(tiny_llama_dir, tmp_path, capsys):
     """`--batch-size 1,2`: each category's prompts a batch at a time, ours against plain batched
-    generate and against themselves at batch one; transformers' lookup refuses a batch and is
-    left out."""
+    generate, on its kernels and on ours, and against themselves at batch one; transformers'
+    lookup refuses a batch and is left out."""
     path = tmp_path / "prompts.jsonl"
     rows = [{"id": f"{kind}{i}", "prompt": f"{kind} number {i}: " + "one two three " * (i + 1), "category": kind}
             for kind in ("code", "chat") for i in range(3)]
@@ -1001,13 +1001,15 @@ def test_batch_sizes_measure_whole_batches_per_category_against_plain_batched(ti
     assert sorted(results["sizes"]) == ["1", "2"]
     two = results["sizes"]["2"]
     assert two["batches"] == 4  # two categories of three prompts: a batch of two and one of one each
-    assert sorted(two["contenders"]) == [BASELINE, "self_speculative"]
-    ours = two["contenders"]["self_speculative"]
+    assert sorted(two["contenders"]) == [BASELINE, PLAIN_OUR_KERNELS, "self_speculative"]
+    ours, equal = two["contenders"]["self_speculative"], two["contenders"][PLAIN_OUR_KERNELS]
     assert ours["consistency"] == "identical" and ours["speedup"] > 0 and ours["vs_batch_one"] > 0
+    assert ours["equal_kernels"] == pytest.approx(ours["speedup"] / equal["speedup"])  # one repeat
+    assert equal["consistency"] == "identical" and "vs_batch_one" not in equal and equal["equal_kernels"] == 1.0
     assert sorted(ours["categories"]) == ["chat", "code"]
     assert "vs_batch_one" not in results["sizes"]["1"]["contenders"]["self_speculative"]
     printed = capsys.readouterr().out
-    assert "batch size 2: 4 batches" in printed and "x plain batched" in printed
+    assert "batch size 2: 4 batches" in printed and "x plain batched" in printed and "x plain, our kernels" in printed
 
 
 def test_batch_sizes_refuse_sampling_and_a_bad_list(tiny_llama_dir, tmp_path, capsys):
