@@ -222,6 +222,20 @@ def test_a_batch_of_workload_prompts_reproduces_plain_batched_greedy(smollm2_bat
     model, inputs, common, plain = smollm2_batch
     output = model.generate(**inputs, **common, return_dict_in_generate=True, **case_kwargs(model, case))
     assert output.strategy_stats.drafted_tokens > 0
+    _assert_rows_are_plain_batched(model, inputs, plain, output, case)
+
+
+def test_a_batch_beyond_max_batch_size_reproduces_plain_batched_greedy_on_the_loops_kernel(smollm2_batch):
+    """A batch the profile will not speculate on takes plain steps on the verifier's kernel, with
+    plain batched greedy's rows."""
+    model, inputs, common, plain = smollm2_batch
+    output = model.generate(**inputs, **common, return_dict_in_generate=True, strategy="self_speculative",
+                            max_batch_size=2)
+    assert not isinstance(output, hf_selfspec.SelfSpecGenerateOutput)
+    _assert_rows_are_plain_batched(model, inputs, plain, output, "max_batch_size=2")
+
+
+def _assert_rows_are_plain_batched(model, inputs, plain, output, case: str) -> None:
     length = inputs["input_ids"].shape[1]
     for row in range(inputs["input_ids"].shape[0]):
         logits = [step[row] for step in plain.logits]
