@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -54,6 +55,8 @@ from .studies.storage import (
 logger = logging.getLogger(__name__)
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+# How long a worker joining a study without trials waits for its creator's warm starts.
+CREATOR_GRACE_S = 10.0
 
 
 @dataclass
@@ -310,6 +313,8 @@ def _open_study(storage, name: str, config: StudyConfig, context: StudyContext, 
     """The study `name`, created with its context and warm-start trials, or loaded when its
     context matches this run's."""
     study, created = create_or_load_study(storage, name, _sampler(config, config.study.seed), _pruner(config))
+    if not created:
+        _await_first_trials(study)
     context.check_matches(study)
     if created or not study.get_trials(deepcopy=False):
         # With the study, at once: what it measures and the likeliest good trials. A worker
@@ -322,6 +327,15 @@ def _open_study(storage, name: str, config: StudyConfig, context: StudyContext, 
         # a study must not replay that random sequence, or it would repeat trials already run.
         study.sampler = _sampler(config, seed=None)
     return study
+
+
+def _await_first_trials(study: optuna.Study) -> None:
+    """Give the worker that created `study` a moment to enqueue its warm starts: a worker that
+    loaded it in between would otherwise enqueue them too, and the study would run them twice.
+    A study still without trials after the wait was left so by a killed worker."""
+    deadline = time.monotonic() + CREATOR_GRACE_S
+    while not study.get_trials(deepcopy=False) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _trials_to_run(study: optuna.Study, config: StudyConfig, n_trials: int | None, callbacks: list) -> int:

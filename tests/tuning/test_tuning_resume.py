@@ -1,16 +1,23 @@
-"""Crash safety: SIGKILL a real `tune` process mid-trial, then resume the study."""
+"""Crash safety: SIGKILL a real `tune` process mid-trial, then resume the study; join a study
+whose creator has not yet enqueued its warm starts, or died before it did."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import optuna
 from optuna.trial import TrialState
 from helpers import REPO_ROOT
 from helpers.tuning import cli_command, cli_env, run_cli, write_study_config
+
+from hf_selfspec.tuning import tune
+from hf_selfspec.tuning.studies.config import StudyConfig
+from hf_selfspec.tuning.studies.space import warm_start_trials
+from hf_selfspec.tuning.studies.storage import StudyContext
 
 KILL_WITHIN_SECONDS = 150
 
@@ -74,3 +81,49 @@ def test_killed_tune_loses_nothing_and_the_next_run_fails_its_stale_trial(tiny_l
     new = [t for n, t in after.items() if n > stale and t.state == TrialState.COMPLETE]
     assert len(new) == 2
     assert "this run" in resumed.stdout and "best speedup" in resumed.stdout
+
+
+NUM_LAYERS = 4
+
+
+def _context() -> StudyContext:
+    return StudyContext(
+        model="tiny", gguf_file=None, dtype="float32", device_key="cpu/float32", strategy="self_speculative",
+        num_layers=NUM_LAYERS, prompt_source="humaneval", n_prompts=2, prompt_offset=0, max_new_tokens=8,
+        baseline_tokens_per_second=0.0, versions={},
+    )  # fmt: skip
+
+
+def _enqueued(study: optuna.Study) -> list[dict]:
+    return [trial.system_attrs["fixed_params"] for trial in study.get_trials()]
+
+
+def test_a_worker_joining_while_the_creator_enqueues_adds_no_warm_start_of_its_own(tmp_path):
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'optuna.db'}")
+    config, context = StudyConfig(), _context()
+    warm_starts = warm_start_trials(config.search, NUM_LAYERS)
+    creator = optuna.create_study(storage=storage, study_name="s", direction="maximize")
+
+    def finish_creating():
+        # The creator checked for duplicates before the joiner could have written any: were the
+        # joiner to enqueue too, every warm start would run twice.
+        time.sleep(0.5)
+        context.save(creator)
+        for params in warm_starts:
+            creator.enqueue_trial(params)
+
+    filling = threading.Thread(target=finish_creating)
+    filling.start()
+    joined = tune._open_study(storage, "s", config, context, NUM_LAYERS)
+    filling.join()
+    assert _enqueued(joined) == warm_starts
+
+
+def test_a_study_its_creator_left_without_trials_gets_its_warm_starts_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "CREATOR_GRACE_S", 0.3)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'optuna.db'}")
+    config = StudyConfig()
+    optuna.create_study(storage=storage, study_name="s", direction="maximize")  # then killed
+    resumed = tune._open_study(storage, "s", config, _context(), NUM_LAYERS)
+    assert _enqueued(resumed) == warm_start_trials(config.search, NUM_LAYERS)
+    assert StudyContext.load(resumed).num_layers == NUM_LAYERS
