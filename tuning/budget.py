@@ -25,7 +25,9 @@ CANDIDATES_PER_REQUEST = 4
 CHUNK_TOKENS, BATCH_CHUNKS = 256, 4
 MIN_ADAPTER_STEPS = 100
 _MAX_ADAPTER_STEPS = 2000
-_MAX_STDLIB_TOKENS = 100_000
+_MAX_ADAPTER_TEXT_TOKENS = 100_000
+# Tokens of a reference passage answered in a chat (`corpus.reference_answers`), about.
+REFERENCE_ANSWER_TOKENS = 215
 # The cost model's timing rounds, most to fewest: fewer rounds let a burst of load move a price
 # more, so a study takes as many as its time pays for, down to the fewest a typical value needs.
 CALIBRATION_ROUNDS = (7, 5, 3)
@@ -91,9 +93,16 @@ def corpus_plan(seconds: float, seconds_per_token: float, chat: bool = True) -> 
     return plan
 
 
-def adapter_text_tokens(seconds: float, batch_forward_seconds: float) -> int:
-    """Standard-library tokens whose teacher pass takes a third of the adapter stage's `seconds`."""
-    return min(_MAX_STDLIB_TOKENS, int(seconds / 3 / batch_forward_seconds * CHUNK_TOKENS * BATCH_CHUNKS))
+def adapter_text(seconds: float, batch_forward_seconds: float, chat: bool = True) -> dict[str, int]:
+    """The [corpus] counts of the text the adapter reads (teacher-forced, beside what the model
+    writes), as much as the teacher's pass covers in a third of the adapter stage's `seconds`:
+    standard-library code, and for a chat model half of it in reference passages answered in a
+    chat. A chat model's drafts are judged on prose answers, which code alone does not teach."""
+    tokens = min(_MAX_ADAPTER_TEXT_TOKENS, int(seconds / 3 / batch_forward_seconds * CHUNK_TOKENS * BATCH_CHUNKS))
+    if not chat:
+        return {"stdlib_tokens": tokens}
+    passages = tokens // 2 // REFERENCE_ANSWER_TOKENS
+    return {"stdlib_tokens": tokens - passages * REFERENCE_ANSWER_TOKENS, "reference_passages": passages}
 
 
 def adapter_plan(seconds: float, step_seconds: float, exit_layers: tuple[int, ...]) -> tuple[int, str]:

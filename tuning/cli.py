@@ -325,7 +325,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "killed run resumes where it stopped and ends exactly as an uninterrupted one with the same seed.",
         epilog="Config sections (all optional): [model] name, dtype, device; [corpus] stdlib_tokens, "
         "humaneval_from, generated_tokens, stdlib_prompts, stdlib_functions, prompt_tokens, chunk_tokens, heldout_fraction, "
-        "self_prompted, request_temperature, request_top_p, request_seed, max_request_tokens, answer_tokens, task_seeds; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
+        "self_prompted, request_temperature, request_top_p, request_seed, max_request_tokens, answer_tokens, task_seeds, reference_passages; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
         "output_dir (relative to the config); [training] steps, batch_chunks, lr, seed, vocab_size, eval_every, "
         "checkpoint_every. Example: studies/smollm2-135m-instruct/kangaroo-train.toml",
     )

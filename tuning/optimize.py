@@ -37,7 +37,7 @@ from hf_selfspec.tuner_api import (
 
 from . import TuningError, progress
 from .budget import (
-    BATCH_CHUNKS, CHUNK_TOKENS, SHARES, StepCosts, adapter_plan, adapter_text_tokens, confirm_prompts, corpus_plan,
+    BATCH_CHUNKS, CHUNK_TOKENS, SHARES, StepCosts, adapter_plan, adapter_text, confirm_prompts, corpus_plan,
     plan_study, plan_tune,
 )
 from .optimize_state import OptimizeRequest, Run, load_state
@@ -172,11 +172,11 @@ def _corpus(run: Run) -> dict[str, Any]:
     if isinstance(plan, str):
         print(f"     corpus: {plan}", flush=True)
         return {"corpus": "", "table": None, "reason": plan}
-    # The adapter's standard-library text is part of [corpus], and the model's text is generated
-    # once for every command given the same [corpus]: so the adapter's text is planned here too,
-    # whether or not the adapter stage finds that training pays.
+    # The text the adapter reads is part of [corpus], and the model's text is generated once for
+    # every command given the same [corpus]: so the adapter's text is planned here too, whether
+    # or not the adapter stage finds that training pays.
     table = {
-        "stdlib_tokens": adapter_text_tokens(SHARES["adapter"] * run.request.budget_seconds, measured["batch_forward_seconds"]),
+        **adapter_text(SHARES["adapter"] * run.request.budget_seconds, measured["batch_forward_seconds"], measured["chat"]),
         "chunk_tokens": CHUNK_TOKENS,
         **plan,
     }

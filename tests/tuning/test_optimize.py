@@ -21,7 +21,7 @@ from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import read_profiles, read_profiles_file
 from hf_selfspec.tuning import budget as budget_module
 from hf_selfspec.tuning import optimize as optimize_module
-from hf_selfspec.tuning.budget import adapter_plan, adapter_text_tokens, corpus_plan
+from hf_selfspec.tuning.budget import adapter_plan, adapter_text, corpus_plan
 from hf_selfspec.tuning.studies.categories import is_feasible
 from hf_selfspec.tuning.studies.config import load_study_config
 from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
@@ -270,7 +270,16 @@ def test_budgets_size_the_corpus_and_the_adapter():
     assert steps >= budget_module.MIN_ADAPTER_STEPS and "0.10 s" in reason
     # A step that costs a tenth as much pays for ten times the steps, up to the cap.
     assert adapter_plan(15, 0.01, (1,))[0] == 10 * adapter_plan(15, 0.1, (1,))[0] == 1000
-    assert 0 < adapter_text_tokens(10, 0.5) < adapter_text_tokens(600, 0.5) <= budget_module._MAX_STDLIB_TOKENS
+
+
+def test_the_adapter_text_of_a_chat_model_is_half_reference_answers():
+    small, large = adapter_text(10, 0.5), adapter_text(600, 0.5)
+    assert 0 < small["stdlib_tokens"] < large["stdlib_tokens"]
+    passage_tokens = large["reference_passages"] * budget_module.REFERENCE_ANSWER_TOKENS
+    assert 0 < passage_tokens <= large["stdlib_tokens"] < passage_tokens + 2 * budget_module.REFERENCE_ANSWER_TOKENS
+    assert large["stdlib_tokens"] + passage_tokens <= budget_module._MAX_ADAPTER_TEXT_TOKENS
+    # A base model's drafts continue text, not answer a chat: all of it is code.
+    assert adapter_text(600, 0.5, chat=False) == {"stdlib_tokens": large["stdlib_tokens"] + passage_tokens}
 
 
 def test_tune_with_a_model_and_no_study_file(tiny_llama_dir, tmp_path, capsys, one_thread):
@@ -297,7 +306,7 @@ def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monk
                         lambda run, stage: 60.0 if stage == "adapter" else share(run, stage))
     monkeypatch.setattr(budget_module, "MIN_ADAPTER_STEPS", 1)
     monkeypatch.setattr(budget_module, "_MAX_ADAPTER_STEPS", 2)
-    monkeypatch.setattr(budget_module, "_MAX_STDLIB_TOKENS", 2048)
+    monkeypatch.setattr(budget_module, "_MAX_ADAPTER_TEXT_TOKENS", 2048)
 
     def stop(run):
         raise KeyboardInterrupt

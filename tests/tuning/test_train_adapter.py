@@ -16,10 +16,13 @@ from helpers.tuning import kill_once_written
 from hf_selfspec.adapter import read_adapter
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.tuning.studies.config import StudyConfigError
+from hf_selfspec.tuning.studies.toml_reader import ModelConfig
 from hf_selfspec.tuning.training import model_text
 from hf_selfspec.tuning.training.corpus import (
-    CorpusConfig, corpus_chunks, generation_prompts, humaneval_problems, split_stdlib_stream, stdlib_function_prompts,
+    REFERENCE_REQUEST, CorpusConfig, corpus_chunks, generated_text_file, generation_prompts, humaneval_problems,
+    reference_answers, split_stdlib_stream, stdlib_function_prompts,
 )
+from hf_selfspec.tuning.training.self_prompted import passages
 from hf_selfspec.tuning.training.model_text import generated_texts
 from hf_selfspec.tuning.training import training as training_module
 from hf_selfspec.tuning.training.train_adapter import load_train_config, run_train_adapter
@@ -56,7 +59,7 @@ def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_ll
 
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    assert "held-out top-1 agreement" in resumed.stdout
+    assert "top-1 agreement" in resumed.stdout and "on the corpus's held-out chunks" in resumed.stdout
     first, second = load_file(str(uninterrupted)), load_file(str(tmp_path / "b" / "out" / "kangaroo-exit2.safetensors"))
     assert first.keys() == second.keys()
     for name in first:
@@ -181,6 +184,24 @@ def test_the_generated_corpus_is_the_models_own_greedy_continuation_of_each_prom
         assert text[: len(prompt)] == prompt and len(text) > len(prompt)
     stream = [i for text in texts for i in text + [tokenizer.eos_token_id]]
     assert chunks.flatten().tolist() == stream[: len(stream) // 8 * 8]
+
+
+def test_reference_passages_join_the_corpus_as_a_chats_answers(tiny_llama_dir, monkeypatch):
+    """Read, not written: no model is asked for them, each passage stands whole as the assistant's
+    answer to the fixed request (bare where the tokenizer has no chat template), and the cache of
+    what the model writes does not depend on them."""
+    _, tokenizer = load_model_and_tokenizer(str(tiny_llama_dir))
+    corpus = CorpusConfig(stdlib_tokens=64, reference_passages=3, chunk_tokens=8)
+    answers = reference_answers(tokenizer, 3)
+    stream = split_stdlib_stream(tokenizer, corpus)[0] + [i for answer in answers for i in answer + [tokenizer.eos_token_id]]
+    assert corpus_chunks(tokenizer, corpus).flatten().tolist() == stream[: len(stream) // 8 * 8]
+    for passage, answer in zip(passages(), answers):
+        text = tokenizer.decode(answer)
+        assert REFERENCE_REQUEST in text and passage in text and text.index(REFERENCE_REQUEST) < text.index(passage)
+        assert "assistant" in text[text.index(REFERENCE_REQUEST) : text.index(passage)]
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    assert reference_answers(tokenizer, 2) == [tokenizer(passage)["input_ids"] for passage in passages()[:2]]
+    assert generated_text_file(ModelConfig(), corpus) == generated_text_file(ModelConfig(), CorpusConfig(stdlib_tokens=64))
 
 
 def test_generation_resumes_from_the_batches_it_finished(tiny_llama_dir, tmp_path, monkeypatch):

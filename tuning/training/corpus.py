@@ -10,7 +10,9 @@ solutions being used) and `stdlib_prompts` windows of standard-library text gree
 judged on the model's own continuations, so that is the text it should learn; the generated
 text is cached batch by batch, so a killed run does not generate it again. With `self_prompted`,
 the model also writes conversations: requests it samples itself and its greedy answers
-(`tuning/training/self_prompted.py`), interleaved with the code text.
+(`tuning/training/self_prompted.py`), interleaved with the code text. With `reference_passages`,
+prose of the Python language reference joins as the answers of a chat, which the model reads
+but does not write (an adapter's text only: a lookup corpus holds what the model wrote).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from hf_selfspec.tuner_api import cache_root
 
 from .evaluation_texts import FIRST_TRAINABLE_HUMANEVAL
 from .model_text import generated_texts
-from .self_prompted import DEFAULT_TASK_SEEDS, KEYS as SELF_PROMPTED_KEYS, TASK_SEEDS, self_prompted_dir, self_prompted_texts
+from .self_prompted import (
+    DEFAULT_TASK_SEEDS, KEYS as SELF_PROMPTED_KEYS, TASK_SEEDS, passages, self_prompted_dir, self_prompted_texts,
+)
 from ..studies.toml_reader import ModelConfig, TomlReader, read_section
 
 
@@ -61,9 +65,15 @@ class CorpusConfig:
     max_request_tokens: int = 64
     answer_tokens: int = 192
     task_seeds: tuple[str, ...] = DEFAULT_TASK_SEEDS
+    # Passages of the Python language reference's prose (up to this many; 0: none), each the
+    # answer of a chat turn where the tokenizer has a chat template (`reference_answers`).
+    reference_passages: int = 0
 
 
-_MAY_BE_ZERO = ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions", "self_prompted", "request_seed")
+_MAY_BE_ZERO = (
+    "stdlib_tokens", "generated_tokens", "stdlib_prompts", "stdlib_functions", "self_prompted", "request_seed",
+    "reference_passages",
+)
 
 
 def read_corpus(reader: TomlReader) -> CorpusConfig:
@@ -77,7 +87,7 @@ def read_corpus(reader: TomlReader) -> CorpusConfig:
     if not 0 < corpus.heldout_fraction < 1:
         raise reader.error("corpus.heldout_fraction", f"must lie in (0, 1), got {corpus.heldout_fraction}")
     for key in ("stdlib_tokens", "generated_tokens", "stdlib_prompts", "prompt_tokens", "stdlib_functions", "chunk_tokens",
-                "self_prompted", "request_seed", "max_request_tokens", "answer_tokens"):
+                "self_prompted", "request_seed", "max_request_tokens", "answer_tokens", "reference_passages"):
         if getattr(corpus, key) < (0 if key in _MAY_BE_ZERO else 1):
             raise reader.error(f"corpus.{key}", f"must be positive, got {getattr(corpus, key)}")
     for key in ("stdlib_prompts", "stdlib_functions"):
@@ -191,7 +201,8 @@ def generated_text_file(model: ModelConfig, corpus: CorpusConfig) -> Path:
     corpus made from one config generate once). The self-prompted conversations are kept apart
     (`self_prompted_dir`)."""
     generation = {
-        k: v for k, v in dataclasses.asdict(corpus).items() if k not in ("chunk_tokens", "heldout_fraction", *SELF_PROMPTED_KEYS)
+        k: v for k, v in dataclasses.asdict(corpus).items()
+        if k not in ("chunk_tokens", "heldout_fraction", "reference_passages", *SELF_PROMPTED_KEYS)
     }
     key = hashlib.sha1(json.dumps([dataclasses.asdict(model), generation], sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "generated-text" / key / "generated.pt"
@@ -221,6 +232,28 @@ def model_written_texts(
     return interleave(code, conversations)
 
 
+# The request each reference passage answers in a chat: text the model reads, never writes.
+REFERENCE_REQUEST = "Explain this part of Python to me."
+
+
+def reference_answers(tokenizer, count: int) -> list[list[int]]:
+    """Token ids of the first `count` reference passages (`self_prompted.passages`), each the
+    assistant's answer to `REFERENCE_REQUEST` in the tokenizer's chat template, or bare where it
+    has none. A chat model's drafts are judged on prose answers, which standard-library code does
+    not teach; the model reads these (teacher-forced) instead of writing them, so each costs a
+    forward pass, not a generation."""
+    texts = passages()[:count]
+    if not getattr(tokenizer, "chat_template", None):
+        return [tokenizer(text)["input_ids"] for text in texts]
+    return [
+        list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": REFERENCE_REQUEST}, {"role": "assistant", "content": text}],
+            tokenize=True, return_dict=True,
+        )["input_ids"])
+        for text in texts
+    ]
+
+
 def corpus_chunks(
     tokenizer, corpus: CorpusConfig, model=None, generated_file: Path | None = None, show_progress: bool = False,
     model_config: ModelConfig = ModelConfig(),
@@ -228,9 +261,9 @@ def corpus_chunks(
     """`[n, chunk_tokens]` token ids: `stdlib_tokens` of standard-library text, then the chosen
     HumanEval problems (their canonical solutions, or with `generated_tokens` the model's own
     continuations of their prompts) and the model's continuations of standard-library windows
-    and functions, with the self-prompted conversations interleaved among them;
-    each text ended by EOS, concatenated and cut. Model text needs `model` and `generated_file`
-    (and `model_config`, which keys the conversations' cache)."""
+    and functions, with the self-prompted conversations and the reference answers interleaved
+    among them; each text ended by EOS, concatenated and cut. Model text needs `model` and
+    `generated_file` (and `model_config`, which keys the conversations' cache)."""
     ids, windows = split_stdlib_stream(tokenizer, corpus)
     written = []
     if corpus.generated_tokens or corpus.self_prompted:
@@ -243,6 +276,8 @@ def corpus_chunks(
         problems = humaneval_problems(corpus.humaneval_from)
         canonical = [tokenizer(problem["prompt"] + problem["canonical_solution"])["input_ids"] for problem in problems]
     texts = interleave(canonical, written)
+    if corpus.reference_passages:
+        texts = interleave(texts, reference_answers(tokenizer, corpus.reference_passages))
     ids += [i for text in texts for i in text + [tokenizer.eos_token_id]]
     usable = len(ids) // corpus.chunk_tokens * corpus.chunk_tokens
     return torch.tensor(ids[:usable]).view(-1, corpus.chunk_tokens)

@@ -118,5 +118,5 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, lo
 
 
 def describe_result(results: list[tuple[int, Path, float]]) -> str:
-    lines = [f"exit layer {e}: held-out top-1 agreement {a:.3f}, wrote {p} and {adapter_files(p)[1].name}" for e, p, a in results]
+    lines = [f"exit layer {e}: top-1 agreement {a:.3f} on the corpus's held-out chunks, wrote {p} and {adapter_files(p)[1].name}" for e, p, a in results]
     return "\n".join(lines)

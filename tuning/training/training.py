@@ -196,7 +196,7 @@ def train_exit_layer(
                 adapter.eval()
                 agreement = heldout_agreement(adapter, head, shallow[train_count:], final[train_count:])
                 adapter.train()
-                logger.info("exit layer %d, step %d: loss %.4f, held-out top-1 agreement %.4f", exit_layer, step, loss_value, agreement)
+                logger.info("exit layer %d, step %d: loss %.4f, top-1 agreement %.4f on the corpus's held-out chunks", exit_layer, step, loss_value, agreement)
             if step % training.checkpoint_every == 0 or step == training.steps:
                 atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                               "agreement": agreement}, checkpoint)
