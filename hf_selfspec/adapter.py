@@ -7,7 +7,9 @@ start from that layer's weights rather than from noise. Its attention keeps its 
 the shallow hidden states of the committed text.
 
 On disk an adapter is `<name>.safetensors` (the block's and the norm's weights) plus `<name>.json`
-(its shape), next to the `generation_config.json` whose profile names it.
+(its shape), next to the `generation_config.json` whose profile names it. The same pair may hold
+draft heads instead (`draft_heads.py`), which its description says: reading and loading here
+serve both kinds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from .cache import cache_keyword
+from .draft_heads import HEADS_FORMAT, DraftHeads, HeadsShape
 from .files import adapter_files, existing_adapter_files, save_tensor_file_pair
 from .inputs import InputError, existing_file, read_text_file
 from .layer_skip import decoder_layers
@@ -151,21 +154,23 @@ class DraftAdapter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
 
 
-def save_adapter(adapter: DraftAdapter, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_adapter(adapter: DraftAdapter | DraftHeads, path: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the weights and the shape, each through a temporary file renamed into place."""
     weights_path, shape_path = adapter_files(path)
     tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in adapter.trained_state().items()}
     return save_tensor_file_pair(weights_path, tensors, shape_path, adapter.shape.to_json())
 
 
-def read_adapter_shape(path: str | Path) -> AdapterShape:
-    """The shape an adapter file declares, read without a model: enough to reject a file that
-    is not an adapter at all before a model is loaded."""
+def read_adapter_shape(path: str | Path) -> AdapterShape | HeadsShape:
+    """The shape an adapter file (or a heads file) declares, read without a model: enough to
+    reject a file that is neither before a model is loaded."""
     _, shape_path = existing_adapter_files(path)
     try:
         raw = json.loads(read_text_file(shape_path))
     except json.JSONDecodeError as error:
         raise ValueError(f"{shape_path}: not valid JSON ({error})") from None
+    if isinstance(raw, dict) and raw.get("format") == HEADS_FORMAT:
+        return HeadsShape.from_json(raw, str(shape_path))
     return AdapterShape.from_json(raw, str(shape_path))
 
 
@@ -186,15 +191,16 @@ def check_adapter_file(path: str | Path, what: str = "draft adapter") -> Path:
     return weights
 
 
-def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
-    """The adapter at `path`, checked against `model`, in the model's dtype and on its device."""
+def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter | DraftHeads:
+    """The adapter (or draft heads) at `path`, checked against `model`, in the model's dtype and
+    on its device."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     weights_path, shape_path = adapter_files(path)
     shape = read_adapter_shape(path)  # checks that both files are there
     shape.check_fits(model, str(shape_path))
-    adapter = DraftAdapter(model, shape)
+    adapter = DraftHeads(shape) if isinstance(shape, HeadsShape) else DraftAdapter(model, shape)
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError) as error:
@@ -222,7 +228,7 @@ _loaded: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionar
 _loading = threading.Lock()
 
 
-def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter:
+def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter | DraftHeads:
     weights_path, _ = adapter_files(local_file(path, "draft adapter"))
     stamp = (str(weights_path.resolve()), weights_path.stat().st_mtime_ns if weights_path.is_file() else None,
              model.dtype, model.device)

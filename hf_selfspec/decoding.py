@@ -245,7 +245,8 @@ def speculative_decode(
         moved_row = _keep_alternative(cache, rows, verdicts, committed, first_row, kv_length)
         seconds = None if is_prefill else verified - started  # a prefill's time says nothing about a step's
         outcomes = [
-            StepOutcome(draft, verdict, count, seconds, None if hidden is None else hidden[i : i + 1], moved_row)
+            StepOutcome(draft, verdict, count, seconds, None if hidden is None else hidden[i : i + 1], moved_row,
+                        first_row=first_row)
             for i, (draft, verdict, count) in enumerate(zip(drafts, verdicts, committed))
         ]
         parts.learn(rows, outcomes, hidden)

@@ -108,6 +108,16 @@ class StepOutcome:
     moved_row: tuple[int, int] | None = None
     # A batch's step (`of_batch`): each row's own outcome, in the order of the batch's rows.
     rows: tuple[StepOutcome, ...] = ()
+    # The verification's input row of the newest token committed before it, whose logits judged
+    # the first drafted token (`hidden` and `moved_row` count rows from the first input).
+    first_row: int = 0
+
+    @property
+    def newest_row(self) -> int:
+        """The input row whose logits chose the newest committed token: the last accepted draft
+        token's, or the accepted alternative's."""
+        offset = self.verdict.accepted if self.verdict.alternative_row is None else self.verdict.alternative_row
+        return self.first_row + offset
 
     @classmethod
     def of_batch(cls, rows: list[StepOutcome], hidden: torch.Tensor | None) -> StepOutcome:

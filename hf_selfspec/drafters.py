@@ -16,6 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .adapter import DraftAdapter
+from .draft_heads import DraftHeads
 from .cache import DraftAwareCache, Realignment, cache_keyword, drop_columns, keep_rows, shift_rows
 from .decoding_types import DecodingState, Draft, Drafter, ExitPolicy, StepOutcome
 from .layer_skip import SkippingDecoder, decoder_layers
@@ -68,9 +69,7 @@ def _draft_autoregressively(
     feeding their last token again (KV the rollback drops), and only while `quorum_rows` of them
     draft: each step of the draft costs every row.
 
-    Each token comes with up to `alternatives` runner-ups: the draft's likeliest other tokens
-    (a sampled token need not be its likeliest), never one its scores rule out (a restricted
-    head's -inf rows, a processor's bans).
+    Each token comes with up to `alternatives` runner-ups (`_draft_token`).
     """
     drafts = [Draft() for _ in states]
     drafting = [limit > 0 for limit in limits]
@@ -82,20 +81,31 @@ def _draft_autoregressively(
         for row, (state, draft) in enumerate(zip(states, drafts)):
             if not drafting[row]:
                 continue
-            scores = selectors[row].scores(state.sequence[:, : ends[row]], logits[row : row + 1])
-            token, distribution = selectors[row].pick(scores)
-            state.sequence[0, ends[row]] = token
+            confidence = _draft_token(draft, selectors[row], state, ends[row], logits[row : row + 1], alternatives)
             ends[row] += 1
-            draft.tokens.append(token)
-            draft.distributions.append(distribution)
-            if alternatives:
-                values, indices = (column.tolist() for column in scores[0].topk(alternatives + 1))
-                runner_ups = [i for v, i in zip(values, indices) if i != token and v > -float("inf")]
-                draft.alternatives.append(runner_ups[:alternatives])
-            exits = exit_policies[row].exits_after(float(distribution.max()))
+            exits = exit_policies[row].exits_after(confidence)
             drafting[row] = not exits and len(draft.tokens) < limits[row]
         input_ids, position_ids = _inputs(states, ends, 1)
     return drafts
+
+
+def _draft_token(
+    draft: Draft, selector: TokenSelector, state: DecodingState, end: int, logits: torch.Tensor, alternatives: int
+) -> float:
+    """Pick the token at `end` of `state.sequence` from the draft's `logits` `[1, vocab]` as the
+    selector picks after the text before it, write it there and add it to `draft`, with up to
+    `alternatives` runner-ups: the draft's likeliest other tokens (a sampled token need not be
+    its likeliest), never one its scores rule out (a restricted head's -inf rows, a processor's
+    bans). Returns the draft's top probability there, the exit policy's input."""
+    scores = selector.scores(state.sequence[:, :end], logits)
+    token, distribution = selector.pick(scores)
+    state.sequence[0, end] = token
+    draft.tokens.append(token)
+    draft.distributions.append(distribution)
+    if alternatives:
+        values, indices = (column.tolist() for column in scores[0].topk(alternatives + 1))
+        draft.alternatives.append([i for v, i in zip(values, indices) if i != token and v > -float("inf")][:alternatives])
+    return float(distribution.max())
 
 
 class RestrictedDraftHead:
@@ -351,3 +361,42 @@ class AssistantDrafter(Drafter):
         drop_columns(self.cache.layers, dropped)
         self.kv_length -= dropped
         self.right = []
+
+
+class DraftHeadsDrafter(Drafter):
+    """Draft heads (`draft_heads.py`): every head read from the final hidden state whose LM head
+    chose a row's newest token, which the last verification computed and handed over. No layer
+    runs and the shared cache is untouched: nothing to feed, nothing to roll back."""
+
+    def __init__(self, model: nn.Module, heads: DraftHeads, draft_vocab_size: int = 0, alternatives: int = 0):
+        self.model, self.heads = model, heads
+        self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
+        self.hidden_layer = len(decoder_layers(model))  # the normed final state, what the LM head reads
+        self.features: torch.Tensor | None = None  # [rows, hidden], a row per text
+        self.head: RestrictedDraftHead | None = None
+
+    def propose(self, state, max_tokens, exit_policy, selector):
+        return self.propose_rows([state], [max_tokens], [exit_policy], [selector])[0]
+
+    def propose_rows(self, states, limits, exit_policies, selectors):
+        if self.head is None:  # first draft: each text is its prompt and one token
+            self.head = _draft_head(self.model, self.draft_vocab_size, states)
+        guessed = self.heads(self.features)  # [rows, heads, hidden]
+        scores = self.head(guessed.flatten(0, 1)).view(len(states), guessed.shape[1], -1)
+        alternatives = self.alternatives if len(states) == 1 else 0  # a batch verifies none
+        drafts = [Draft() for _ in states]
+        for row, (state, draft) in enumerate(zip(states, drafts)):
+            for ahead in range(min(limits[row], guessed.shape[1])):
+                logits = scores[row, ahead : ahead + 1]
+                confidence = _draft_token(draft, selectors[row], state, state.length + ahead, logits, alternatives)
+                if exit_policies[row].exits_after(confidence):
+                    break
+        return drafts
+
+    def learn(self, outcome: StepOutcome) -> None:
+        rows = outcome.rows or (outcome,)
+        self.features = torch.cat([row.hidden[:, row.newest_row] for row in rows])
+
+    def realign(self, realignment: Realignment) -> None:
+        if realignment.kept_rows is not None and self.features is not None:
+            self.features = self.features[list(realignment.kept_rows)]

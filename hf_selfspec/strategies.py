@@ -21,7 +21,8 @@ from .decoding import RowParts, SpeculationParts
 from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
 from .decoding_types import Drafter, ExitPolicy
-from .drafters import AssistantDrafter, LayerSkipDrafter, ShallowExitDrafter
+from .draft_heads import DraftHeads
+from .drafters import AssistantDrafter, DraftHeadsDrafter, LayerSkipDrafter, ShallowExitDrafter
 from .layer_skip import SkippingDecoder
 from .lookup import CorpusLookup, OnlineLookup, PromptLookup, TextLookup
 from .lookup_corpus import load_lookup_corpus
@@ -168,6 +169,8 @@ class Strategy:
             )
         if params.draft_adapter:
             adapter = load_adapter(model, params.draft_adapter)
+            if isinstance(adapter, DraftHeads):
+                return DraftHeadsDrafter(model, adapter, params.draft_vocab_size, params.draft_alternatives)
             return ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives,
                                       params.batch_quorum)
         decoder = SkippingDecoder(model, params.attn_skip_layers, params.mlp_skip_layers)

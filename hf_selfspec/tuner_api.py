@@ -20,8 +20,9 @@ from .argtypes import positive_float, positive_int
 from .cache import DraftAwareCache, cache_keyword
 from .consistency import DIVERGENT, NEAR_TIE, Consistency, check_greedy_consistency
 from .decoding import DecodeRequest, Runtime, WallClock, speculative_decode
+from .draft_heads import DraftHeads, HeadsShape
 from .decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter, ExitPolicy
-from .drafters import LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
+from .drafters import DraftHeadsDrafter, LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
 from .dtypes import AUTO, parse_dtype
 from .embedded import EMBEDDED_NAME, EmbeddedModelMissing, load_embedded
 from .files import adapter_files, cache_root
@@ -67,12 +68,15 @@ __all__ = [
     "Draft",
     "DraftAdapter",
     "DraftAwareCache",
+    "DraftHeads",
+    "DraftHeadsDrafter",
     "Drafter",
     "EMBEDDED",
     "EMBEDDED_NAME",
     "EmbeddedModelMissing",
     "ExitPolicy",
     "HELD_OUT_SPLIT",
+    "HeadsShape",
     "HUMANEVAL",
     "InputError",
     "LayerSkipDrafter",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
+from hf_selfspec.draft_heads import DraftHeads, HeadsShape
 from hf_selfspec.loading import load_model_and_tokenizer
 
 
@@ -18,6 +19,36 @@ def random_adapter(model, exit_layer: int, directory, mlp: bool = True, seed: in
         for parameter in adapter.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     return str(save_adapter(adapter, directory / f"adapter-{exit_layer}-{int(mlp)}"))
+
+
+def random_heads(model, directory, heads: int = 3, scale: float = 0.5, seed: int = 5) -> str:
+    """Draft heads with random weights (a poor draft, which exercises rejections), or the
+    identity (`scale` 0)."""
+    drafted = DraftHeads(HeadsShape.for_model(model, heads))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in drafted.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+    return str(save_adapter(drafted, directory / f"heads-{heads}-{seed}-{scale}"))
+
+
+def assert_trained_draft_matches_plain_greedy(architecture: str, draft_file, knobs: list[dict]) -> None:
+    """On a tiny model of `architecture`, default and sharp, the draft `draft_file(model)` names
+    keeps plain greedy's tokens on each random prompt with its `knobs`, and drafts."""
+    from helpers.greedy import assert_same_greedy, random_prompts
+    from helpers.tiny_models import tiny_model
+
+    for sharpness in (None, 0.3):
+        model = tiny_model(architecture, initializer_range=sharpness)
+        draft = draft_file(model)
+        drafted = 0
+        for prompt, prompt_knobs in zip(random_prompts(model.config.vocab_size), knobs):
+            output = assert_same_greedy(
+                model, prompt, strategy="kangaroo", draft_adapter=draft, max_draft_tokens=5,
+                backoff_probe_interval=0, **prompt_knobs,
+            )
+            drafted += output.strategy_stats.drafted_tokens
+        assert drafted > 0
 
 
 def assert_profile_drafts_losslessly(model_dir, config_path, text: str = "def add(a, b):"):

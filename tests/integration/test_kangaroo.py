@@ -13,7 +13,7 @@ import hf_selfspec
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, read_adapter, save_adapter
 from hf_selfspec.files import adapter_files
 from hf_selfspec.profiles import TunedProfile, device_profile_key, write_profile
-from helpers.adapters import assert_profile_drafts_losslessly, random_adapter
+from helpers.adapters import assert_profile_drafts_losslessly, assert_trained_draft_matches_plain_greedy, random_adapter
 from helpers.greedy import assert_same_greedy, random_prompts
 from helpers.sampling import exact_joint, goodness_of_fit, sample_counts, sampling_model
 from helpers.tiny_models import ARCHITECTURES, NUM_LAYERS, tiny_model
@@ -30,17 +30,9 @@ KNOBS = [
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("exit_layer", [1, NUM_LAYERS - 1])
 def test_kangaroo_matches_plain_greedy(architecture, exit_layer, tmp_path):
-    for sharpness in (None, 0.3):
-        model = tiny_model(architecture, initializer_range=sharpness)
-        adapter = random_adapter(model, exit_layer, tmp_path, mlp=exit_layer == 1)
-        drafted = 0
-        for prompt, knobs in zip(random_prompts(model.config.vocab_size), KNOBS):
-            output = assert_same_greedy(
-                model, prompt, strategy="kangaroo", draft_adapter=adapter, max_draft_tokens=5,
-                backoff_probe_interval=0, **knobs,
-            )
-            drafted += output.strategy_stats.drafted_tokens
-        assert drafted > 0
+    assert_trained_draft_matches_plain_greedy(
+        architecture, lambda model: random_adapter(model, exit_layer, tmp_path, mlp=exit_layer == 1), KNOBS
+    )
 
 
 def test_an_unchanged_copy_of_the_last_layer_is_the_full_model(tmp_path):

@@ -102,6 +102,25 @@ def test_strategies_reproduce_plain_greedy_on_humaneval(smollm2, case):
     assert (rescued > 0) == bool(STRATEGY_KWARGS[case].get("draft_alternatives"))
 
 
+def test_draft_heads_reproduce_plain_greedy_on_humaneval(smollm2, tmp_path):
+    """Heads read the final state the verifier hands over; near the identity they guess the
+    newest token again, which code often repeats (indentation, brackets), so both acceptances
+    and rescues by runner-ups occur."""
+    from helpers.adapters import random_heads
+
+    model, cases = smollm2
+    heads = random_heads(model, tmp_path, heads=2, scale=0.01)
+    drafted = accepted = rescued = 0
+    for prompt_id, inputs, plain in cases:
+        output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                                strategy="kangaroo", draft_adapter=heads, max_draft_tokens=2,
+                                draft_exit_threshold=0.0, draft_alternatives=4, backoff_probe_interval=0)
+        assert_consistent(output, plain, inputs, model.dtype, prompt_id)
+        stats = output.strategy_stats
+        drafted, accepted, rescued = drafted + stats.drafted_tokens, accepted + stats.accepted_tokens, rescued + stats.accepted_alternatives
+    assert drafted > 0 and accepted > 0 and rescued > 0
+
+
 @pytest.mark.parametrize("layout", ["stock", "transposed", "packed"])
 def test_the_verifiers_kernel_keeps_decoding_lossless(smollm2, monkeypatch, layout):
     """Whichever kernel this machine's timing picks for a verification's rows
