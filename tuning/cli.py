@@ -312,9 +312,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     train = subparsers.add_parser(
         "train-adapter",
-        help="train a Kangaroo draft adapter (for strategy='kangaroo') by self-distillation",
+        help="train a Kangaroo draft adapter (for strategy='kangaroo'), or draft heads, by self-distillation",
         description="Self-distil a draft adapter for each exit layer of the config: one decoder block that maps "
-        "the hidden state after the model's first exit_layer layers to the full model's next-token distribution, "
+        "the hidden state after the model's first exit_layer layers to the full model's next-token distribution "
+        "(or, with draft_heads = N, N draft heads on the final hidden state, head k learning the distribution k "
+        "tokens further on), "
         "teacher-forced on a corpus of text that ships with the installed packages (the standard library's "
         "sources, optionally HumanEval problems 40 onwards) and, with generated_tokens, on the model's own "
         "greedy continuations of HumanEval prompts and standard-library windows or functions; with self_prompted, "
@@ -326,7 +328,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="Config sections (all optional): [model] name, dtype, device; [corpus] stdlib_tokens, "
         "humaneval_from, generated_tokens, stdlib_prompts, stdlib_functions, prompt_tokens, chunk_tokens, heldout_fraction, "
         "self_prompted, request_temperature, request_top_p, request_seed, max_request_tokens, answer_tokens, task_seeds, reference_passages; [adapter] exit_layers, mlp, name (may use {exit_layer}), "
-        "output_dir (relative to the config); [training] steps, batch_chunks, lr, seed, vocab_size, eval_every, "
+        "output_dir (relative to the config), draft_heads; [training] steps, batch_chunks, lr, seed, vocab_size, eval_every, "
         "checkpoint_every. Example: studies/smollm2-135m-instruct/kangaroo-train.toml",
     )
     train.add_argument("config", type=Path, metavar="CONFIG.toml", help="training config")

@@ -31,12 +31,13 @@ from hf_selfspec.tuning.training.training import covering_vocabulary, time_train
 STEPS = 300
 
 
-def _config(directory: Path, model_dir: Path, **overrides) -> Path:
+def _config(directory: Path, model_dir: Path, draft_heads: int = 0, **overrides) -> Path:
     training = {"steps": STEPS, "batch_chunks": 2, "checkpoint_every": 10, "eval_every": 100, "seed": 3, "vocab_size": 512}
     training.update(overrides)
     lines = [
         "[model]", f'name = "{model_dir}"', "[corpus]", "stdlib_tokens = 2048", "humaneval_from = 150",
-        "chunk_tokens = 64", "[adapter]", "exit_layers = [2]", 'output_dir = "out"', "[training]",
+        "chunk_tokens = 64", "[adapter]", "exit_layers = [2]", f"draft_heads = {draft_heads}", 'output_dir = "out"',
+        "[training]",
         *(f"{key} = {value}" for key, value in training.items()),
     ]
     path = directory / "train.toml"
@@ -45,28 +46,38 @@ def _config(directory: Path, model_dir: Path, **overrides) -> Path:
     return path
 
 
-def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tiny_llama_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("draft_heads, written, checkpoint", [(0, "kangaroo-exit2", "exit2"), (3, "draft-heads", "heads3")])
+def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(
+    draft_heads, written, checkpoint, tiny_llama_dir, tmp_path, monkeypatch
+):
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache-a"))
-    [(exit_layer, uninterrupted, _)] = run_train_adapter(load_train_config(_config(tmp_path / "a", tiny_llama_dir)), False)
+    [(exit_layer, uninterrupted, _)] = run_train_adapter(
+        load_train_config(_config(tmp_path / "a", tiny_llama_dir, draft_heads)), False
+    )
 
-    config = _config(tmp_path / "b", tiny_llama_dir)
+    config = _config(tmp_path / "b", tiny_llama_dir, draft_heads)
     env = {**os.environ, "HF_SELFSPEC_CACHE": str(tmp_path / "cache-b"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "hf_selfspec.cli", "train-adapter", str(config), "--no-progress"]
-    checkpoints = kill_once_written(command, env, tmp_path / "cache-b", "adapter-training/*/exit2.checkpoint.pt")
+    checkpoints = kill_once_written(command, env, tmp_path / "cache-b", f"adapter-training/*/{checkpoint}.checkpoint.pt")
     assert checkpoints, "no checkpoint appeared before the run ended"
     assert torch.load(checkpoints[0])["step"] < STEPS  # it really was cut off
-    assert not (tmp_path / "b" / "out" / "kangaroo-exit2.safetensors").exists()
+    assert not (tmp_path / "b" / "out" / f"{written}.safetensors").exists()
 
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "top-1 agreement" in resumed.stdout and "on the corpus's held-out chunks" in resumed.stdout
-    first, second = load_file(str(uninterrupted)), load_file(str(tmp_path / "b" / "out" / "kangaroo-exit2.safetensors"))
+    first, second = load_file(str(uninterrupted)), load_file(str(tmp_path / "b" / "out" / f"{written}.safetensors"))
     assert first.keys() == second.keys()
     for name in first:
         assert torch.equal(first[name], second[name]), name
 
     model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
-    assert read_adapter(model, uninterrupted).shape.exit_layer == exit_layer == 2
+    trained = read_adapter(model, uninterrupted)
+    if draft_heads:
+        assert exit_layer is None and trained.shape.heads == draft_heads
+        assert any(tensor.abs().sum() > 0 for tensor in first.values())  # moved from the identity
+    else:
+        assert trained.shape.exit_layer == exit_layer == 2
 
 
 def test_a_corpus_too_large_for_its_logits_trains_on_logits_computed_per_batch(tiny_llama_dir, tmp_path, monkeypatch):
@@ -118,6 +129,7 @@ def test_a_training_step_is_timed_on_its_vocabulary(tiny_llama_dir):
         ("[adapter]\nname = \"x{layer}\"\n", "placeholder"),
         ("[optimizer]\n", "unknown section"),
         ("[training]\nlr = -1.0\n", "positive"),
+        ("[adapter]\ndraft_heads = -1\n", "draft_heads: must be 0"),
         ("[corpus]\nstdlib_prompts = 5\n", "needs generated_tokens"),
         ("[corpus]\nstdlib_functions = 5\n", "needs generated_tokens"),
         ("[corpus]\ngenerated_tokens = -2\n", "positive"),

@@ -26,7 +26,7 @@ from hf_selfspec.params import SelfSpecParams, resolve_params
 from hf_selfspec.policies import ThroughputBackoff
 from hf_selfspec.selection import TokenSelector
 from hf_selfspec.stats import StrategyStats
-from helpers.adapters import random_adapter
+from helpers.adapters import random_adapter, random_heads
 from helpers.tiny_models import NUM_LAYERS, tiny_model
 from hf_selfspec.tuning.studies.config import SearchConfig, StudyConfigError, load_study_config
 from hf_selfspec.tuning.costmodel.calibration import calibrate, verification_runs
@@ -220,6 +220,33 @@ def test_the_estimate_counts_what_decoding_with_a_trained_adapter_does(
     assert (total.accepted_alternatives > 0) == (draft_alternatives > 0)
 
 
+@pytest.mark.parametrize(
+    "architecture, draft_vocab_size, draft_alternatives, threshold",
+    [("llama", 0, 0, 0.0), ("llama", 24, 2, 0.3), ("qwen2", 0, 1, 0.0), ("gemma3", 0, 0, 0.3)],
+)
+def test_the_estimate_counts_what_decoding_with_draft_heads_does(
+    tmp_path, architecture, draft_vocab_size, draft_alternatives, threshold
+):
+    """Draft heads read only the full model's final states of committed text, so the one pass
+    over the text predicts exactly what they propose after each token, the later heads' tokens
+    included: the estimate matches a real decode step for step. Reading those states leaves the
+    teacher-forced KV, which every trial reads, exactly as it was."""
+    model = _sharp(architecture)
+    params = resolve_params(NUM_LAYERS, {
+        "draft_adapter": random_heads(model, tmp_path), "max_draft_tokens": 3, "draft_exit_threshold": threshold,
+        "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
+    })  # fmt: skip
+    total = StrategyStats()
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        data, estimated = _kangaroo_estimate_checked_by_decoding(model, params, length, seed)
+        kept = [(layer.keys.clone(), layer.values.clone()) for layer in data.cache.layers]
+        draft_predictions(model, data, params)
+        for (keys, values), layer in zip(kept, data.cache.layers, strict=True):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        total.add(estimated)
+    assert 0 < total.accepted_tokens < total.drafted_tokens
+
+
 class _PatternDrafter(Drafter):
     """Proposes `pattern(committed text)`, cut to the room: a drafter of a test's own, which
     costs no forward pass and which no built-in strategy composes."""
@@ -347,6 +374,12 @@ def test_an_adapter_draft_is_priced_as_the_layers_below_its_exit_and_one_more_bl
         assert cost.draft_token_seconds(params) == units, (exit_layer, mlp)
 
 
+def test_untimed_draft_heads_are_priced_as_a_draft_without_layers(tmp_path):
+    model = tiny_model("llama")
+    cost = CostModel(NUM_LAYERS, (0.0,) * 16, 0.0, 100.0, 1.0, 10.0, 0.0, 0.0)
+    assert cost.draft_token_seconds(resolve_params(NUM_LAYERS, {"draft_adapter": random_heads(model, tmp_path)})) == 100
+
+
 def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(sharp_llama, tmp_path):
     """An adapter's block, mask and rotary set-up are not a decoder layer's, so calibration times
     each listed adapter's real draft; a trial choosing it is priced at that time (the restricted
@@ -354,7 +387,7 @@ def test_calibration_times_each_listed_adapter_and_prices_its_trials_with_that(s
     trial then reads, is left exactly as it was."""
     data = teacher_force(sharp_llama, _prepared(sharp_llama, 11, seed=3), NEW_TOKENS)
     kept = [(layer.keys.clone(), layer.values.clone()) for layer in data.cache.layers]
-    adapters = [random_adapter(sharp_llama, exit_layer, tmp_path) for exit_layer in (1, 3)]
+    adapters = [random_adapter(sharp_llama, exit_layer, tmp_path) for exit_layer in (1, 3)] + [random_heads(sharp_llama, tmp_path)]
     cost = calibrate(sharp_llama, data, NUM_LAYERS, 4, adapters)
     assert sorted(cost.adapter_draft_seconds) == sorted(adapters)
     for adapter in adapters:

@@ -19,7 +19,10 @@ from hf_selfspec.tuner_api import (
     DecodingState,
     DraftAwareCache,
     Drafter,
+    DraftHeads,
+    DraftHeadsDrafter,
     ExitPolicy,
+    HeadsShape,
     LayerSkipDrafter,
     RestrictedDraftHead,
     ShallowExitDrafter,
@@ -27,6 +30,7 @@ from hf_selfspec.tuner_api import (
     TokenSelector,
     forward_timings,
     load_adapter,
+    read_adapter_shape,
     resolve_params,
     timed_generate,
     verifying,
@@ -208,16 +212,21 @@ def _draft_runs(
     def skipping(attn_skip: Sequence[int], mlp_skip: Sequence[int]) -> Callable[[], None]:
         return draft_run(LayerSkipDrafter(model, cache, SkippingDecoder(model, attn_skip, mlp_skip)), cache)
 
+    # The head alone, timed directly: its share of a draft step is too small to read off
+    # whole-step timings through their noise.
+    hidden = torch.zeros((1, model.config.hidden_size), dtype=model.dtype, device=text.device)
+
     def adapter_draft(path: str) -> Callable[[], None]:
+        adapter = load_adapter(model, path)
+        if isinstance(adapter, DraftHeads):
+            heads = DraftHeadsDrafter(model, adapter)
+            heads.features = hidden  # as a verification hands over; its cost depends on shapes alone
+            return draft_run(heads, cache)
         # A prefill of its own, which the drafter continues from, so that the adapter's attention
         # spans the committed text as in a decode, and the prompt's teacher-forced KV stays untouched.
         own_cache = DraftAwareCache(model.config)
         verifier_forward(model, text[None, :kv_length], 0, own_cache, 1)
-        return draft_run(ShallowExitDrafter(model, own_cache, load_adapter(model, path)), own_cache)
-
-    # The head alone, timed directly: its share of a draft step is too small to read off
-    # whole-step timings through their noise.
-    hidden = torch.zeros((1, model.config.hidden_size), dtype=model.dtype, device=text.device)
+        return draft_run(ShallowExitDrafter(model, own_cache, adapter), own_cache)
 
     def head_run(head: Callable[[torch.Tensor], Any]) -> Callable[[], None]:
         return lambda: [head(hidden) for _ in range(_HEAD_CALLS)]
@@ -250,8 +259,15 @@ def _draft_prices(seconds: Mapping[Any, float], num_layers: int, draft_adapters:
         "mlp_seconds": mlp_seconds,
         "restricted_head_constant": small_head - full_head - _HEAD_SIZES[0] * per_row,
         "restricted_head_per_row": per_row,
-        "adapter_draft_seconds": {path: seconds[path] / _CALIBRATION_TOKENS for path in draft_adapters},
+        "adapter_draft_seconds": {path: seconds[path] / _drafted_tokens(path) for path in draft_adapters},
     }
+
+
+def _drafted_tokens(path: str) -> int:
+    """How many tokens a calibration run of the adapter at `path` drafts: draft heads no more
+    than they are."""
+    shape = read_adapter_shape(path)
+    return min(shape.heads, _CALIBRATION_TOKENS) if isinstance(shape, HeadsShape) else _CALIBRATION_TOKENS
 
 
 # The loop's probe: the full model drafting for itself, so that it drafts and verifies at every

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from hf_selfspec.tuner_api import (
     DraftAdapter,
+    DraftHeads,
     RestrictedDraftHead,
     SelfSpecParams,
     SkippingDecoder,
@@ -19,7 +20,7 @@ from hf_selfspec.tuner_api import (
     model_attention_mask,
 )
 
-from .teacher_forcing import TeacherForcedPrompt
+from .teacher_forcing import TeacherForcedPrompt, verifier_forward
 
 
 def _committed_kv_mask(model, data: TeacherForcedPrompt) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -118,6 +119,22 @@ def _layer_skip_hidden(model, data: TeacherForcedPrompt, params: SelfSpecParams)
         data.cache.rollback(data.kv_length)
 
 
+def final_states(model, data: TeacherForcedPrompt) -> torch.Tensor:
+    """Row j: the full model's final hidden state that chose continuation token j, which draft
+    heads read to guess token j + 1 on. The verification over the continuation is run again as
+    `teacher_force` ran it (same inputs, same widths), so the KV it writes back is the same."""
+    if not data.final_states:
+        start, final_layer = data.prompt_length - 1, len(decoder_layers(model))
+        data.cache.rollback(start)
+        try:
+            outputs = verifier_forward(model, data.full_text[None, start : data.kv_length], start, data.cache, 1,
+                                       output_hidden_states=[final_layer])
+        finally:
+            data.cache.rollback(data.kv_length)
+        data.final_states.append(outputs.hidden_states[final_layer][0, :-1])
+    return data.final_states[0]
+
+
 @dataclass(frozen=True)
 class DraftPredictions:
     """Entry j of each list: the draft's guess at continuation token j + 1, after token j."""
@@ -125,10 +142,12 @@ class DraftPredictions:
     tokens: list[int]
     confidence: list[float]
     alternatives: list[list[int]]  # its `draft_alternatives` runner-ups there
-    # Row j where the guess is wrong -> the tokens a real draft goes on to propose after it, and
-    # its confidence in each; computed for adapters. Elsewhere (a layer-skip draft, whose later
-    # tokens are approximate anyway) the draft is taken to go on with the next rows' guesses.
-    past_misses: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    # Row j -> the tokens a real draft goes on to propose after its guess there, and its
+    # confidence in each, where that is not the next rows' guesses: after an adapter's wrong
+    # guess, and after every guess of draft heads (their later heads'). Elsewhere (a layer-skip
+    # draft, whose later tokens are approximate anyway) the draft is taken to go on with the
+    # next rows' guesses.
+    continuations: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
     def chain(self, row: int, limit: int) -> list[tuple[int, float]]:
         """What a real draft starting at `row` proposes, at most `limit` tokens, each with its
@@ -136,9 +155,27 @@ class DraftPredictions:
         proposed = []
         for guess_row in range(row, min(row + limit, len(self.tokens))):
             proposed.append((self.tokens[guess_row], self.confidence[guess_row]))
-            if guess_row in self.past_misses:
-                return proposed + self.past_misses[guess_row][: limit - len(proposed)]
+            if guess_row in self.continuations:
+                return proposed + self.continuations[guess_row][: limit - len(proposed)]
         return proposed
+
+
+def _ranked(head: RestrictedDraftHead, hidden: torch.Tensor, alternatives: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(tokens, probabilities)` of the head's `1 + alternatives` likeliest tokens for each state."""
+    probabilities = torch.softmax(head.subset_logits(hidden).float(), dim=-1)
+    ranked = probabilities.topk(min(1 + alternatives, probabilities.shape[-1]), dim=-1)
+    return head.token_ids[ranked.indices], ranked.values
+
+
+def _heads_predictions(model, data: TeacherForcedPrompt, heads: DraftHeads, head: RestrictedDraftHead, alternatives: int) -> DraftPredictions:
+    """Draft heads read only the full model's own final states, so what they propose after each
+    committed token is exactly what a decode's heads would: the first head's guess, then the
+    later heads' from the same state."""
+    tokens, values = _ranked(head, heads(final_states(model, data)), alternatives)  # [rows, heads, ranked]
+    continuations = {
+        row: list(zip(tokens[row, 1:, 0].tolist(), values[row, 1:, 0].tolist())) for row in range(tokens.shape[0])
+    }
+    return DraftPredictions(tokens[:, 0, 0].tolist(), values[:, 0, 0].tolist(), tokens[:, 0, 1:].tolist(), continuations)
 
 
 @torch.no_grad()
@@ -147,21 +184,21 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     all read from one pass."""
     if data.kv_length == data.prompt_length:  # a one-token continuation leaves nothing to draft
         return DraftPredictions([], [], [])
+    # The head a real draft builds: the lowest ids plus the prompt and the first token (with
+    # draft_vocab_size 0, the whole head).
+    head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: data.prompt_length + 1])
     adapter = load_adapter(model, params.draft_adapter) if params.draft_adapter else None
+    if isinstance(adapter, DraftHeads):
+        return _heads_predictions(model, data, adapter, head, params.draft_alternatives)
     if adapter is not None:
         hidden, adapter_cache = _adapter_hidden(model, data, adapter)
     else:
         hidden = _layer_skip_hidden(model, data, params)
-    # The head a real draft builds: the lowest ids plus the prompt and the first token (with
-    # draft_vocab_size 0, the whole head).
-    head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: data.prompt_length + 1])
-    probabilities = torch.softmax(head.subset_logits(hidden).float(), dim=-1)
-    ranked = probabilities.topk(min(1 + params.draft_alternatives, probabilities.shape[-1]), dim=-1)
-    ranked_tokens = head.token_ids[ranked.indices].tolist()
-    guesses = [row[0] for row in ranked_tokens]
+    ranked_tokens, values = _ranked(head, hidden, params.draft_alternatives)
+    guesses = ranked_tokens[:, 0].tolist()
     past_misses = {}
     if adapter is not None:
         past_misses = _adapter_drafts_past_misses(
             model, data, adapter, adapter_cache, head, guesses, params.max_draft_tokens - 1
         )
-    return DraftPredictions(guesses, ranked.values[:, 0].tolist(), [row[1:] for row in ranked_tokens], past_misses)
+    return DraftPredictions(guesses, values[:, 0].tolist(), ranked_tokens[:, 1:].tolist(), past_misses)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import optuna
 
-from hf_selfspec.tuner_api import SelfSpecParams, read_adapter_shape
+from hf_selfspec.tuner_api import HeadsShape, SelfSpecParams, read_adapter_shape
 
 
 def verification_knots(max_tokens: int) -> tuple[int, ...]:
@@ -84,13 +84,17 @@ class CostModel:
     def draft_token_seconds(self, params: SelfSpecParams) -> float:
         """An adapter calibration did not time (a cost model in units of a step, written by hand)
         is priced as the layers below its exit, run whole, and one more layer of the same shapes
-        for its block (with or without its MLP)."""
+        for its block (with or without its MLP); draft heads, which run no layer, as what a
+        draft costs besides its layers."""
         if params.draft_adapter in self.adapter_draft_seconds:
             seconds = self.adapter_draft_seconds[params.draft_adapter]
         else:
             if params.draft_adapter:
                 shape = read_adapter_shape(params.draft_adapter)
-                attention_run, mlp_run = shape.exit_layer + 1, shape.exit_layer + int(shape.mlp)
+                if isinstance(shape, HeadsShape):
+                    attention_run = mlp_run = 0
+                else:
+                    attention_run, mlp_run = shape.exit_layer + 1, shape.exit_layer + int(shape.mlp)
             else:
                 attention_run = self.num_layers - len(params.attn_skip_layers)
                 mlp_run = self.num_layers - len(params.mlp_skip_layers)

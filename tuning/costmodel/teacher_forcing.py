@@ -28,6 +28,9 @@ class TeacherForcedPrompt:
     max_new_tokens: int
     # exit layer -> what enters that layer at every position of full_text[:-1]; filled on first use
     shallow_states: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
+    # The final hidden state (what the LM head reads) that chose each continuation token, in a
+    # list of one once read (`predictions.final_states`)
+    final_states: list[torch.Tensor] = field(default_factory=list, compare=False)
 
     @property
     def reference(self) -> list[int]:

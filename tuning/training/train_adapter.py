@@ -1,4 +1,5 @@
-"""`hf-selfspec train-adapter`: self-distil a Kangaroo draft adapter for one or more exit layers.
+"""`hf-selfspec train-adapter`: self-distil a Kangaroo draft adapter for one or more exit layers,
+or draft heads on the final hidden state (`[adapter] draft_heads`).
 
 The teacher is the model itself (`teacher`), teacher-forced on a text corpus (`corpus`); each
 exit layer's adapter is then trained on its outputs (`training`). This module reads the command's
@@ -11,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,7 +22,7 @@ from hf_selfspec.tuner_api import adapter_files, cache_root, check_exit_layer, d
 from .corpus import CorpusConfig, corpus_chunks, generated_text_file, read_corpus
 from .teacher import teacher_outputs
 from ..studies.toml_reader import ModelConfig, StudyConfigError, read_model_section, read_section, read_toml_config
-from .training import TrainingConfig, train_exit_layer
+from .training import TrainingConfig, adapter_student, heads_student, train_student
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class AdapterConfig:
     mlp: bool = True
     name: str = "kangaroo-exit{exit_layer}"
     output_dir: str = "."
+    # Train this many draft heads (`draft-heads.safetensors`) in place of the exit layers' adapters.
+    draft_heads: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,11 @@ class TrainAdapterConfig:
     def adapter_path(self, exit_layer: int) -> Path:
         return self.output_dir / (self.adapter.name.format(exit_layer=exit_layer) + ".safetensors")
 
+    @property
+    def exit_layers(self) -> tuple[int, ...]:
+        """The exit layers to train adapters for: none where draft heads are trained instead."""
+        return () if self.adapter.draft_heads else self.adapter.exit_layers
+
 
 def load_train_config(path: str | Path) -> TrainAdapterConfig:
     """Parse a train-adapter TOML file strictly (unknown sections and keys are errors)."""
@@ -56,6 +65,8 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
             raise reader.error(f"training.{key}", f"must be positive, got {getattr(training, key)}")
     if not training.lr > 0:
         raise reader.error("training.lr", f"must be positive, got {training.lr}")
+    if adapter.draft_heads < 0:
+        raise reader.error("adapter.draft_heads", f"must be 0 (exit-layer adapters) or positive, got {adapter.draft_heads}")
     if training.vocab_size < 0:
         raise reader.error("training.vocab_size", f"must be 0 (the whole vocabulary) or positive, got {training.vocab_size}")
     try:
@@ -89,9 +100,10 @@ def training_chunks(
     )
 
 
-def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, loaded=None) -> list[tuple[int, Path, float]]:
-    """Train every exit layer's adapter; `loaded` is the `(model, tokenizer)` the config names,
-    where the caller has already loaded them."""
+def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, loaded=None) -> list[tuple[int | None, Path, float]]:
+    """Train every exit layer's adapter, or the draft heads; `loaded` is the `(model, tokenizer)`
+    the config names, where the caller has already loaded them. `(exit layer, file, held-out
+    agreement)` for each, the exit layer None for the heads."""
     model, tokenizer = config.model.load() if loaded is None else loaded
     model.requires_grad_(False)
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -100,23 +112,35 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, lo
             f"{config.path}: training.vocab_size: {config.training.vocab_size} exceeds the model's vocabulary of {vocab_size}"
         )
     num_layers = len(decoder_layers(model))
-    for exit_layer in config.adapter.exit_layers:
+    for exit_layer in config.exit_layers:
         try:
             check_exit_layer(exit_layer, num_layers, f"{config.path}: adapter.exit_layers")
         except ValueError as error:
             raise StudyConfigError(str(error)) from None
     chunks = training_chunks(config.corpus, config.model, model, tokenizer, show_progress)
-    teacher = teacher_outputs(model, chunks, config.adapter.exit_layers, work_dir(config) / "teacher.pt", show_progress)
+    teacher = teacher_outputs(model, chunks, config.exit_layers, work_dir(config) / "teacher.pt", show_progress)
+    lr = config.training.lr
+    # Each student is made only when its turn comes: one draft's float32 weights in memory at a time.
+    students = [(e, f"exit{e}", partial(adapter_student, model, e, config.adapter.mlp, teacher.shallow[e], lr),
+                 config.adapter_path(e)) for e in config.exit_layers]
+    if config.adapter.draft_heads:
+        heads = config.adapter.draft_heads
+        students.append((None, f"heads{heads}", partial(heads_student, model, heads, teacher.final, lr),
+                         config.output_dir / "draft-heads.safetensors"))
     results = []
-    for exit_layer in config.adapter.exit_layers:
-        path, agreement = train_exit_layer(
-            model, teacher, exit_layer, config.adapter.mlp, config.training, config.corpus.heldout_fraction,
-            work_dir(config) / f"exit{exit_layer}.checkpoint.pt", config.adapter_path(exit_layer), show_progress,
+    for exit_layer, checkpoint, make_student, output in students:
+        path, agreement = train_student(
+            model, *make_student(), teacher.final, config.training, config.corpus.heldout_fraction,
+            work_dir(config) / f"{checkpoint}.checkpoint.pt", output, show_progress,
         )
         results.append((exit_layer, path, agreement))
     return results
 
 
-def describe_result(results: list[tuple[int, Path, float]]) -> str:
-    lines = [f"exit layer {e}: top-1 agreement {a:.3f} on the corpus's held-out chunks, wrote {p} and {adapter_files(p)[1].name}" for e, p, a in results]
+def describe_result(results: list[tuple[int | None, Path, float]]) -> str:
+    lines = [
+        f"{'draft heads' if e is None else f'exit layer {e}'}: top-1 agreement {a:.3f} on the corpus's held-out chunks"
+        f"{' (first head)' if e is None else ''}, wrote {p} and {adapter_files(p)[1].name}"
+        for e, p, a in results
+    ]
     return "\n".join(lines)

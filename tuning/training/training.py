@@ -1,8 +1,15 @@
-"""Training one exit layer's draft adapter by self-distillation from the teacher pass.
+"""Training a draft by self-distillation from the teacher pass: one exit layer's adapter, or
+draft heads on the final hidden state.
 
-Determinism: the adapter starts as a copy of the exit layer, batches are drawn from a generator
-seeded by (seed, epoch), and a checkpoint holds the adapter, the optimizer and the step, so a run
-killed at any moment and resumed ends with the same weights as an uninterrupted one.
+Both are a student that reads states of the teacher pass and gives logits to match the
+teacher's own at fixed offsets (`Student`): the adapter reads what enters its exit layer and
+matches the next token's distribution (offset 0), head `k` reads the final state and matches
+the distribution `k + 1` tokens further on.
+
+Determinism: the adapter starts as a copy of the exit layer and the heads as the identity,
+batches are drawn from a generator seeded by (seed, epoch), and a checkpoint holds the student,
+the optimizer and the step, so a run killed at any moment and resumed ends with the same
+weights as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -15,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
-from hf_selfspec.tuner_api import AdapterShape, DraftAdapter, save_adapter, timed
+from hf_selfspec.tuner_api import AdapterShape, DraftAdapter, DraftHeads, HeadsShape, save_adapter, timed
 
 from .. import progress
 from .model_text import atomic_save
-from .teacher import TEACHER_BATCH, TeacherOutputs
+from .teacher import TEACHER_BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -104,105 +112,138 @@ def teacher_targets(model, head: _DistillationHead, final: torch.Tensor) -> Call
     return lambda batch: teacher_logits(model, head, final[batch])
 
 
+@dataclass
+class Student:
+    """A draft in training: `module` maps a batch of `inputs` chunks `[b, T, hidden]` to hidden
+    states `[b, T, len(offsets), hidden]` for the training head; output `k` at position `t`
+    learns the teacher's logits at `t + offsets[k]`."""
+
+    name: str
+    module: nn.Module
+    inputs: torch.Tensor  # [n, T, hidden], the teacher pass's, for every chunk
+    offsets: tuple[int, ...]
+    forward: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _paired(student: torch.Tensor, teacher: torch.Tensor, offsets: tuple[int, ...]):
+    """`(student's output k, the teacher's logits it learns)` over the positions both have."""
+    length = teacher.shape[1]
+    for k, offset in enumerate(offsets):
+        yield student[:, : length - offset, k], teacher[:, offset:]
+
+
 def distillation_step(
-    model, adapter: DraftAdapter, head: _DistillationHead, optimizer: torch.optim.Optimizer,
-    shallow: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
+    model, student: Student, head: _DistillationHead, optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor, target: torch.Tensor,
 ) -> float:
-    """One optimizer step of the KL from the teacher's logits `target` to the draft's over a batch
-    of chunks whose states entering the exit layer are `shallow`; the loss."""
+    """One optimizer step of the KL from the teacher's logits `target` to the student's over the
+    chunks `batch`, averaged over the student's outputs; the loss."""
     with _reduced_precision(model):
-        student = head(adapter(shallow.to(model.device).float(), positions.expand(shallow.shape[0], -1)))
+        logits = head(student.forward(student.inputs[batch].to(model.device).float()))
     # The loss and the optimizer stay in float32.
-    student, target = torch.log_softmax(student.float(), dim=-1), torch.log_softmax(target.to(model.device).float(), dim=-1)
-    loss = torch.nn.functional.kl_div(student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+    logits, target = torch.log_softmax(logits.float(), dim=-1), torch.log_softmax(target.to(model.device).float(), dim=-1)
+    loss = sum(
+        torch.nn.functional.kl_div(mine.flatten(0, 1), theirs.flatten(0, 1), log_target=True, reduction="batchmean")
+        for mine, theirs in _paired(logits, target, student.offsets)
+    ) / len(student.offsets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
     return loss.item()
 
 
-def _trainable_adapter(model, exit_layer: int, mlp: bool, lr: float) -> tuple[DraftAdapter, torch.optim.Optimizer]:
-    """A new adapter for `exit_layer`, a copy of that (frozen) layer, in training mode with its
-    master weights in float32, and its optimizer."""
-    adapter = DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)).float().train()
-    adapter.requires_grad_(True)
-    return adapter, torch.optim.AdamW(adapter.parameters(), lr=lr)
+def _trainable(module: nn.Module, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """`module` in training mode with its master weights in float32, and its optimizer."""
+    module = module.float().train().requires_grad_(True)
+    return module, torch.optim.AdamW(module.parameters(), lr=lr)
+
+
+def adapter_student(model, exit_layer: int, mlp: bool, shallow: torch.Tensor, lr: float) -> tuple[Student, torch.optim.Optimizer]:
+    """A new adapter for `exit_layer`, a copy of that (frozen) layer, reading `shallow`: what
+    enters that layer."""
+    adapter, optimizer = _trainable(DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)), lr)
+    positions = torch.arange(shallow.shape[1], device=model.device)[None]
+    forward = lambda hidden: adapter(hidden, positions.expand(hidden.shape[0], -1))[:, :, None]  # noqa: E731
+    return Student(f"exit layer {exit_layer}", adapter, shallow, (0,), forward), optimizer
+
+
+def heads_student(model, heads: int, final: torch.Tensor, lr: float) -> tuple[Student, torch.optim.Optimizer]:
+    """New draft heads, the identity, reading `final`: the states the LM head reads."""
+    module, optimizer = _trainable(DraftHeads(HeadsShape.for_model(model, heads)), lr)
+    return Student(f"{heads} draft heads", module, final, tuple(range(1, heads + 1)), module), optimizer
 
 
 def time_training_step(model, exit_layer: int, mlp: bool, vocab_size: int, batch_chunks: int, chunk_tokens: int) -> float:
     """Median seconds of a training step for `exit_layer` over the lowest `vocab_size` ids (0: all),
     the teacher's logits for the batch included, on random states (the cost depends on shapes,
     not values) and a throwaway adapter."""
-    adapter, optimizer = _trainable_adapter(model, exit_layer, mlp, lr=1e-4)
     head = _DistillationHead(model, vocab_size)
-    hidden_size = head.weight.shape[1]
     generator = torch.Generator().manual_seed(0)
-    shallow, final = (torch.randn(batch_chunks, chunk_tokens, hidden_size, generator=generator) for _ in range(2))
-    positions = torch.arange(chunk_tokens, device=model.device)[None]
+    shallow, final = (torch.randn(batch_chunks, chunk_tokens, head.weight.shape[1], generator=generator) for _ in range(2))
+    student, optimizer = adapter_student(model, exit_layer, mlp, shallow, lr=1e-4)
+    batch = torch.arange(batch_chunks)
 
     def step() -> None:
-        distillation_step(model, adapter, head, optimizer, shallow, teacher_logits(model, head, final), positions)
+        distillation_step(model, student, head, optimizer, batch, teacher_logits(model, head, final))
 
     step()  # untimed: the first step pays for allocation
     return statistics.median(timed(step, model.device)[1] for _ in range(_TIMED_STEPS))
 
 
 @torch.no_grad()
-def heldout_agreement(adapter: DraftAdapter, head: _DistillationHead, shallow: torch.Tensor, final: torch.Tensor) -> float:
-    """Top-1 agreement of the draft (adapter, then the training head) with the full model."""
+def heldout_agreement(student: Student, head: _DistillationHead, heldout: range, final: torch.Tensor) -> float:
+    """Top-1 agreement of the student's first output (through the training head) with the full
+    model, over the chunks `heldout`."""
     agree = total = 0
     device = head.weight.device
-    positions = torch.arange(shallow.shape[1], device=device)[None]
-    for index in range(shallow.shape[0]):
-        student = head(adapter(shallow[index : index + 1].to(device).float(), positions)).argmax(-1)
-        teacher = head(final[index : index + 1].to(device)).argmax(-1)
-        agree += int((student == teacher).sum())
-        total += teacher.numel()
+    for index in heldout:
+        logits = head(student.forward(student.inputs[index : index + 1].to(device).float()))
+        teacher = head(final[index : index + 1].to(device))
+        mine, theirs = next(_paired(logits.argmax(-1), teacher.argmax(-1), student.offsets))
+        agree += int((mine == theirs).sum())
+        total += theirs.numel()
     return agree / total
 
 
-def train_exit_layer(
-    model, teacher: TeacherOutputs, exit_layer: int, mlp: bool, training: TrainingConfig, heldout_fraction: float,
-    checkpoint: Path, output: Path, show_progress: bool,
+def train_student(
+    model, student: Student, optimizer: torch.optim.Optimizer, final: torch.Tensor, training: TrainingConfig,
+    heldout_fraction: float, checkpoint: Path, output: Path, show_progress: bool,
 ) -> tuple[Path, float]:
-    """Train the adapter for one exit layer (resuming from `checkpoint` if it exists) on all but
-    the last `heldout_fraction` of the chunks, which measure it, and write it to `output`;
-    `(written file, held-out agreement)`."""
+    """Train `student` (resuming from `checkpoint` if it exists) on all but the last
+    `heldout_fraction` of the chunks, which measure it, against the teacher's logits from
+    `final`, and write it to `output`; `(written file, held-out agreement)`."""
     torch.manual_seed(training.seed)
-    adapter, optimizer = _trainable_adapter(model, exit_layer, mlp, training.lr)
     head = _DistillationHead(model, training.vocab_size)
-    shallow, final = teacher.shallow[exit_layer], teacher.final
-    heldout = max(1, round(shallow.shape[0] * heldout_fraction))
-    train_count = shallow.shape[0] - heldout
+    chunks = final.shape[0]
+    heldout = max(1, round(chunks * heldout_fraction))
+    train_count = chunks - heldout
     # The teacher's outputs stay in host memory (the whole corpus's), a batch at a time on the model's device.
     targets = teacher_targets(model, head, final[:train_count])
-    positions = torch.arange(shallow.shape[1], device=model.device)[None]
 
     step, agreement, loss_value = 0, float("nan"), float("nan")
     if checkpoint.is_file():
-        state = torch.load(checkpoint, map_location="cpu")  # loading the state copies it to the adapter's device
-        adapter.load_state_dict(state["adapter"])
+        state = torch.load(checkpoint, map_location="cpu")  # loading the state copies it to the student's device
+        student.module.load_state_dict(state["adapter"])
         optimizer.load_state_dict(state["optimizer"])
         step, agreement = state["step"], state["agreement"]
 
-    bar = tqdm(total=training.steps, initial=step, desc=f"exit layer {exit_layer}", unit="step",
-               disable=None if show_progress else True)
-    with progress.task(f"training exit layer {exit_layer}", total=training.steps - step, unit="steps"):
+    bar = tqdm(total=training.steps, initial=step, desc=student.name, unit="step", disable=None if show_progress else True)
+    with progress.task(f"training {student.name}", total=training.steps - step, unit="steps"):
         while step < training.steps:
             batch = _batch_indices(train_count, step, training.batch_chunks, training.seed)
-            loss_value = distillation_step(model, adapter, head, optimizer, shallow[batch], targets(batch), positions)
+            loss_value = distillation_step(model, student, head, optimizer, batch, targets(batch))
             step += 1
             if step % training.eval_every == 0 or step == training.steps:
-                adapter.eval()
-                agreement = heldout_agreement(adapter, head, shallow[train_count:], final[train_count:])
-                adapter.train()
-                logger.info("exit layer %d, step %d: loss %.4f, top-1 agreement %.4f on the corpus's held-out chunks", exit_layer, step, loss_value, agreement)
+                student.module.eval()
+                agreement = heldout_agreement(student, head, range(train_count, chunks), final)
+                student.module.train()
+                logger.info("%s, step %d: loss %.4f, top-1 agreement %.4f on the corpus's held-out chunks", student.name, step, loss_value, agreement)
             if step % training.checkpoint_every == 0 or step == training.steps:
-                atomic_save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                atomic_save({"adapter": student.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                               "agreement": agreement}, checkpoint)
             bar.set_postfix(loss=f"{loss_value:.3f}", heldout_top1=f"{agreement:.3f}")
             bar.update(1)
             progress.advance()
     bar.close()
-    path = save_adapter(adapter, output, dtype=model.dtype)
+    path = save_adapter(student.module, output, dtype=model.dtype)
     return path, agreement
