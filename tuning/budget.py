@@ -105,16 +105,16 @@ def adapter_text(seconds: float, batch_forward_seconds: float, chat: bool = True
     return {"stdlib_tokens": tokens - passages * REFERENCE_ANSWER_TOKENS, "reference_passages": passages}
 
 
-def adapter_plan(seconds: float, step_seconds: float, exit_layers: tuple[int, ...]) -> tuple[int, str]:
-    """Training steps per exit layer that fit in two thirds of `seconds` (the rest is the teacher's
+def adapter_plan(seconds: float, step_seconds: float) -> tuple[int, str]:
+    """Training steps of the draft that fit in two thirds of `seconds` (the rest is the teacher's
     pass over the corpus) at `step_seconds` a step, or 0 and why not."""
-    steps = min(_MAX_ADAPTER_STEPS, int(seconds * 2 / 3 / step_seconds / len(exit_layers)))
+    steps = min(_MAX_ADAPTER_STEPS, int(seconds * 2 / 3 / step_seconds))
     if steps < MIN_ADAPTER_STEPS:
         return 0, (
-            f"skipped: {minutes(seconds)} pays for {steps} training steps per exit layer "
-            f"({step_seconds:.2f} s each), fewer than the {MIN_ADAPTER_STEPS} an adapter needs; give a larger --budget"
+            f"skipped: {minutes(seconds)} pays for {steps} training steps ({step_seconds:.2f} s each), fewer "
+            f"than the {MIN_ADAPTER_STEPS} a draft needs; give a larger --budget"
         )
-    return steps, f"{steps} steps per exit layer ({step_seconds:.2f} s each)"
+    return steps, f"{steps} training steps ({step_seconds:.2f} s each)"
 
 
 @dataclass(frozen=True)

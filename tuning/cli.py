@@ -356,7 +356,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     optimize = subparsers.add_parser(
         "optimize",
         help="from a model to a tuned profile in one command, within a time budget",
-        description="Write a lookup corpus of the model's own text, train a Kangaroo adapter if the budget "
+        description="Write a lookup corpus of the model's own text, train a draft head on it if the budget "
         "allows, tune on the workload's tune split over ranges derived from the model's shape and this device's "
         "verification cost, confirm the best trials against plain decoding and transformers' prompt lookup on "
         "held-out prompts, and export the winner into DIR/generation_config.json with its files, and the study "

@@ -41,7 +41,8 @@ VERIFY_WIDTHS = (1, 2, 4, 8, 16, 32)
 _AFFORDABLE_MARGINAL_RATIO = 0.5
 # Runner-ups are searched only where a verification this wide costs at most this many single ones.
 _AFFORDABLE_VERIFY_RATIO = 2.0
-# Verifying runner-ups multiplies the width: searched only where a width this wide is that cheap.
+# Verifying runner-ups multiplies the width: searched only where a width this wide is that cheap,
+# and then up to as many as fill it beside a drafted token and the one before it.
 _ALTERNATIVES_WIDTH = 16
 _PREFIX_TOKENS = 64
 _TIMING_ROUNDS = 3
@@ -54,12 +55,10 @@ CONFIRM_TOP = 2
 
 @dataclass(frozen=True)
 class DerivedSpace:
-    """Search ranges by knob name, the warm-start skip ratios, the exit layers an adapter is
-    trained for, and why, in words."""
+    """Search ranges by knob name, the warm-start skip ratios, and why, in words."""
 
     ranges: dict[str, tuple[float, float]]
     warm_start_skip_ratios: tuple[float, ...]
-    exit_layers: tuple[int, ...]
     reasons: tuple[str, ...]
 
 
@@ -82,13 +81,6 @@ def affordable_width(verify_seconds: Mapping[int, float]) -> int:
     return reach
 
 
-def adapter_exit_layers(num_layers: int) -> tuple[int, ...]:
-    """Layer 1 (the cheapest draft) and about an eighth of the depth (a draft that still agrees
-    with the model often), distinct and below the last layer."""
-    deeper = max(1, round(num_layers / 8))
-    return tuple(sorted({layer for layer in (1, deeper) if layer < num_layers}))
-
-
 def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, float]) -> DerivedSpace:
     """The search space for a model of `num_layers` decoder layers and `vocab_size` tokens whose
     verification of `w` tokens takes `verify_seconds[w]` (width 1 must be among them)."""
@@ -104,10 +96,9 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
     lookup = max(2, width - 1)
     lookup_start = max(1, lookup // 3)
     alternatives_ratio = verify_seconds.get(_ALTERNATIVES_WIDTH, math.inf) / verify_seconds[1]
-    alternatives = 2 if alternatives_ratio <= _AFFORDABLE_VERIFY_RATIO else 0
+    alternatives = _ALTERNATIVES_WIDTH - 2 if alternatives_ratio <= _AFFORDABLE_VERIFY_RATIO else 0
     head = 0 if vocab_size <= _SMALL_VOCABULARY else vocab_size // 2
     ratios = (0.25, 0.5) if num_layers < 8 else (0.25, 0.4, 0.5)
-    exits = adapter_exit_layers(num_layers)
     ranges: dict[str, tuple[float, float]] = {
         "max_draft_tokens": (0, draft),  # 0: lookup alone, where no draft of the model pays
         "prompt_lookup_tokens": (1, lookup_start),
@@ -125,16 +116,14 @@ def derive_space(num_layers: int, vocab_size: int, verify_seconds: Mapping[int, 
         f"one token's ({verify_seconds[width] / verify_seconds[1]:.2f}x for all {width}), "
         f"so drafts up to {draft} tokens are searched, and lookups that start at up to {lookup_start} "
         f"and grow while the text copies up to {lookup} or fewer",
-        "runner-up alternatives are searched: wide verifications are cheap"
+        f"up to {alternatives} runner-up alternatives are searched: wide verifications are cheap"
         if alternatives
         else "runner-up alternatives are not searched: they widen verifications that are not cheap here",
         f"draft_vocab_size up to {head} of {vocab_size} tokens"
         if head
         else f"the draft keeps its whole head: a vocabulary of {vocab_size} is small",
-        f"adapters exit after layer(s) {', '.join(map(str, exits))} of {num_layers}: the first layer is the "
-        "cheapest draft, about an eighth of the depth one that agrees more often",
     )
-    return DerivedSpace(ranges, ratios, exits, reasons)
+    return DerivedSpace(ranges, ratios, reasons)
 
 
 @torch.inference_mode()

@@ -6,7 +6,7 @@ checkpoints live in the user cache, trials in the study's SQLite file beside the
 
   measure  the model's shape, the cost of a verification at several widths, seconds per token
   corpus   a lookup corpus of text the model writes itself, sized to its share of the budget
-  adapter  a Kangaroo draft adapter, if its share of the budget pays for enough training steps
+  adapter  draft heads (`draft_heads`), if its share of the budget pays for enough training steps
   tune     an estimated study over ranges derived from the measurements (`default_study`)
   confirm  the best trials, plain and transformers' prompt lookup, decoded on held-out prompts
   export   the held-out winner as `OUTPUT/generation_config.json`, with its adapter and corpus
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -72,6 +73,13 @@ _DECODES_PER_TUNE_PROMPT = 3 + CONFIRM_TOP + 1
 _PROMPT_SHARE = 0.5
 _MAX_TRIALS = 500
 _PLANNED_AT_SHARE = ("measure", "corpus", "adapter")
+# The adapter stage trains draft heads: they run no layer, so a draft costs a small part of a
+# step wherever the model is deep, and their runner-ups widen a verification that is cheap where
+# drafting pays at all. One head: a later head guesses from a state a token older, and the
+# lookup, not the heads, carries a draft past one token. Zero-initialised residual blocks learn
+# within the few hundred steps a budget pays for at this rate.
+DRAFT_HEADS = 1
+_HEADS_LR = 1e-3
 
 
 def check_request(request: OptimizeRequest) -> OptimizeRequest:
@@ -212,40 +220,37 @@ def _tune_first(run: Run) -> str | None:
 
 def _adapter(run: Run) -> dict[str, Any]:
     from .training.train_adapter import describe_result, load_train_config, run_train_adapter, training_chunks
-    from .training.training import covering_vocabulary, time_training_step
+    from .training.training import covering_vocabulary, heads_student, time_training_step
     from .training.write_lookup_corpus import load_lookup_corpus_config
 
-    space = _space(run)
-    print(f"     {space.reasons[-1]}", flush=True)
+    print(f"     adapter: {DRAFT_HEADS} draft head(s) on the final hidden state, read through the model's own head: "
+          "no layer runs to draft, so the cheapest draft to train and to run", flush=True)
     if run.stages["corpus"]["table"] is None:
-        reason = "skipped: there is no corpus to train on"
-        print(f"     adapter: {reason}", flush=True)
-        return {"adapters": {}, "reason": reason}
+        return _no_adapter("skipped: there is no corpus to train on")
     # The corpus stage's own config, so that the text it generated is read back, not generated again.
     corpus_config = load_lookup_corpus_config(run.request.work / "lookup-corpus.toml")
     model, tokenizer = run.request.model.load()
     model.requires_grad_(False)
     chunks = training_chunks(corpus_config.corpus, corpus_config.model, model, tokenizer, run.request.show_progress)
     if len(chunks) < 2:  # one to train on and one to measure it
-        reason = f"skipped: the corpus holds {len(chunks)} chunk(s) of {CHUNK_TOKENS} tokens; give a larger --budget"
-        print(f"     adapter: {reason}", flush=True)
-        return {"adapters": {}, "reason": reason}
+        return _no_adapter(f"skipped: the corpus holds {len(chunks)} chunk(s) of {CHUNK_TOKENS} tokens; give a larger --budget")
     full_vocabulary = model.get_output_embeddings().weight.shape[0]
     vocab_size = covering_vocabulary(chunks, _TRAINING_COVERAGE, full_vocabulary)
     print(f"     adapter: the KL is taken over the lowest {vocab_size or full_vocabulary} of {full_vocabulary} token ids, "
           f"which cover {_TRAINING_COVERAGE:.0%} of the corpus's tokens", flush=True)
-    step_seconds = time_training_step(model, max(space.exit_layers), True, vocab_size, BATCH_CHUNKS, CHUNK_TOKENS)
-    steps, reason = adapter_plan(run.share("adapter"), step_seconds, space.exit_layers)
-    print(f"     adapter: {reason}", flush=True)
+    make_student = partial(heads_student, model, DRAFT_HEADS, lr=_HEADS_LR)
+    steps, reason = adapter_plan(run.share("adapter"), time_training_step(model, make_student, vocab_size, BATCH_CHUNKS,
+                                                                          CHUNK_TOKENS))
     if not steps:
-        return {"adapters": {}, "reason": reason}
+        return _no_adapter(reason)
+    print(f"     adapter: {reason}", flush=True)
     path = run.request.work / "train-adapter.toml"
     path.write_text(
         toml_tables({
             "model": model_entries(run.request.model),
             "corpus": run.stages["corpus"]["table"],
-            "adapter": {"exit_layers": list(space.exit_layers), "output_dir": "."},
-            "training": {"steps": steps, "batch_chunks": BATCH_CHUNKS, "vocab_size": vocab_size,
+            "adapter": {"draft_heads": DRAFT_HEADS, "output_dir": "."},
+            "training": {"steps": steps, "batch_chunks": BATCH_CHUNKS, "vocab_size": vocab_size, "lr": _HEADS_LR,
                          "eval_every": max(1, steps // 4), "checkpoint_every": max(1, steps // 10)},
         }),
         encoding="utf-8",
@@ -253,16 +258,25 @@ def _adapter(run: Run) -> dict[str, Any]:
     config = load_train_config(path)
     results = run_train_adapter(config, run.request.show_progress, loaded=(model, tokenizer))
     print(f"     {describe_result(results)}", flush=True)
-    return {"adapters": {p.stem: str(p) for _, p, _ in results}, "agreement": {str(e): a for e, _, a in results},
+    return {"adapters": {p.stem: str(p) for _, p, _ in results}, "agreement": {p.stem: a for _, p, a in results},
             "reason": reason}
+
+
+def _no_adapter(reason: str) -> dict[str, Any]:
+    print(f"     adapter: {reason}", flush=True)
+    return {"adapters": {}, "reason": reason}
 
 
 def _study_config(run: Run):
     request = run.request
     storage = request.storage or f"sqlite:///{(request.work / 'optuna.db').resolve()}"
     name = f"optimize:{Path(request.model.name).name}"
+    space = _space(run)
+    if run.stages["adapter"]["adapters"]:  # the heads draft no further than they have heads
+        low, high = space.ranges["max_draft_tokens"]
+        space = dataclasses.replace(space, ranges={**space.ranges, "max_draft_tokens": (low, min(high, DRAFT_HEADS))})
     return default_study_config(
-        request.model, _space(run), default_prompts(request.prompts), name=name,
+        request.model, space, default_prompts(request.prompts), name=name,
         objective=run.stages["measure"]["objective"], storage=storage,
         draft_adapters=run.stages["adapter"]["adapters"], lookup_corpus=run.stages["corpus"]["corpus"],
         online_corpus=has_streams(request.prompts),

@@ -16,6 +16,7 @@ from helpers import REPO_ROOT
 from helpers.tuning import OPTIMIZE_BUDGET, cli_command, cli_env, sigkill_when
 from optuna.trial import TrialState
 
+from hf_selfspec.adapter import read_adapter_shape
 from hf_selfspec.cli import main
 from hf_selfspec.loading import load_model_and_tokenizer
 from hf_selfspec.profiles import read_profiles, read_profiles_file
@@ -24,7 +25,7 @@ from hf_selfspec.tuning import optimize as optimize_module
 from hf_selfspec.tuning.budget import adapter_plan, adapter_text, corpus_plan
 from hf_selfspec.tuning.studies.categories import is_feasible
 from hf_selfspec.tuning.studies.config import load_study_config
-from hf_selfspec.tuning.default_study import adapter_exit_layers, derive_space
+from hf_selfspec.tuning.default_study import derive_space
 from hf_selfspec.tuning.optimize import STAGES, STUDY_FILE, tune_prompts
 from hf_selfspec.tuning.optimize_state import STATE_FILE, WORK_DIR, Run
 
@@ -188,10 +189,10 @@ def test_ranges_follow_the_shape_and_the_verification_cost():
     for space in (deep_wide, shallow_small):  # lookups grow from where they may start, shrink no lower
         assert space.ranges["prompt_lookup_tokens"][1] == space.ranges["prompt_lookup_max_tokens"][0]
         assert space.ranges["prompt_lookup_min_tokens"] == (1, space.ranges["prompt_lookup_tokens"][1])
-    assert deep_wide.ranges["draft_alternatives"][1] > 0 == shallow_small.ranges["draft_alternatives"][1]
+    # Where a wide verification is cheap, runner-ups fill it beside a drafted token.
+    assert deep_wide.ranges["draft_alternatives"] == (0, 14) and shallow_small.ranges["draft_alternatives"] == (0, 0)
     assert deep_wide.ranges["draft_vocab_size"] == (0, 64_000)  # a big head is worth restricting
     assert shallow_small.ranges["draft_vocab_size"] == (0, 0)
-    assert deep_wide.exit_layers == (1, 4) and shallow_small.exit_layers == (1,)
     assert len(deep_wide.warm_start_skip_ratios) > len(shallow_small.warm_start_skip_ratios)
     for space in (deep_wide, shallow_small):
         low, high = space.ranges["max_draft_tokens"]
@@ -250,11 +251,6 @@ def test_a_base_model_without_a_chat_template_gets_a_corpus(tiny_llama_dir, tmp_
     assert (tmp_path / "out" / WORK_DIR / "lookup-corpus.safetensors").is_file()
 
 
-def test_exit_layers_stay_inside_the_model():
-    assert adapter_exit_layers(2) == (1,)
-    assert adapter_exit_layers(30) == (1, 4)
-    assert all(layer < 80 for layer in adapter_exit_layers(80))
-
 
 def test_budgets_size_the_corpus_and_the_adapter():
     small, large = corpus_plan(10, 0.01), corpus_plan(600, 0.01)
@@ -264,12 +260,12 @@ def test_budgets_size_the_corpus_and_the_adapter():
     base = corpus_plan(600, 0.01, chat=False)
     assert "self_prompted" not in base and base["stdlib_prompts"] > 0 and base["generated_tokens"] > 0
     assert base["stdlib_functions"] == large["stdlib_functions"]
-    steps, reason = adapter_plan(5, 0.5, (1, 4))
+    steps, reason = adapter_plan(5, 0.5)
     assert steps == 0 and "skipped" in reason and "--budget" in reason
-    steps, reason = adapter_plan(600, 0.1, (1, 4))
+    steps, reason = adapter_plan(600, 0.1)
     assert steps >= budget_module.MIN_ADAPTER_STEPS and "0.10 s" in reason
     # A step that costs a tenth as much pays for ten times the steps, up to the cap.
-    assert adapter_plan(15, 0.01, (1,))[0] == 10 * adapter_plan(15, 0.1, (1,))[0] == 1000
+    assert adapter_plan(30, 0.01)[0] == 10 * adapter_plan(30, 0.1)[0] == 2000
 
 
 def test_the_adapter_text_of_a_chat_model_is_half_reference_answers():
@@ -298,8 +294,9 @@ def test_tune_needs_a_study_or_a_model(capsys):
 
 def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monkeypatch, one_thread):
     """Where the budget pays for training (here: the floor lowered, and the stage's share fixed so
-    that a slow machine cannot spend it in the stages before), the adapter stage trains the
-    derived exit layers and the study chooses among them; stopped before confirming, to stay short."""
+    that a slow machine cannot spend it in the stages before), the adapter stage trains draft
+    heads and the study drafts with them, no further than they have heads; stopped before
+    confirming, to stay short."""
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache"))
     share = Run.share
     monkeypatch.setattr(Run, "share",
@@ -314,10 +311,12 @@ def test_a_trained_adapter_makes_a_kangaroo_study(tiny_llama_dir, tmp_path, monk
     monkeypatch.setattr(optimize_module, "_confirm", stop)
     assert _optimize(tiny_llama_dir, tmp_path / "out") == 130
     stages = _state(tmp_path / "out")["stages"]
-    assert list(stages["adapter"]["agreement"]) == ["1"]  # adapter_exit_layers(4)
+    assert list(stages["adapter"]["agreement"]) == ["draft-heads"]
+    assert read_adapter_shape(stages["adapter"]["adapters"]["draft-heads"]).heads == optimize_module.DRAFT_HEADS
     study = load_study_config(tmp_path / "out" / STUDY_FILE)
     assert study.search.strategy == "kangaroo"
     assert list(study.search.draft_adapters.values()) == list(stages["adapter"]["adapters"].values())
+    assert study.search.range_of("max_draft_tokens") == (0, optimize_module.DRAFT_HEADS)
 
 
 def test_a_corpus_without_two_chunks_skips_the_adapter_and_says_why(tiny_llama_dir, tmp_path, monkeypatch, one_thread):
@@ -363,3 +362,15 @@ def test_on_request_streams_it_tunes_the_online_corpus_and_ships_what_it_learned
     assert bool(profile.params["online_corpus_file"]) == uses_online_corpus(winner.params)
     if profile.params["online_corpus_file"]:
         assert (output / profile.params["online_corpus_file"]).is_file()
+
+
+def test_where_runner_ups_are_searched_a_warm_start_verifies_the_widest():
+    from hf_selfspec.tuning.studies.config import SearchConfig
+    from hf_selfspec.tuning.studies.space import warm_start_trials
+
+    ranges = {"max_draft_tokens": (0, 1), "draft_alternatives": (0, 14)}
+    search = SearchConfig(strategy="kangaroo", ranges=ranges, draft_adapters={"draft-heads": "draft-heads.safetensors"})
+    trials = warm_start_trials(search, num_layers=4)
+    assert [(t["max_draft_tokens"], t["draft_alternatives"]) for t in trials] == [(1, 0), (0, 0), (1, 14)]
+    narrow = dataclasses.replace(search, ranges={"max_draft_tokens": (0, 1)})
+    assert [t["draft_alternatives"] for t in warm_start_trials(narrow, num_layers=4)] == [0, 0]

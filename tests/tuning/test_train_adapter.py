@@ -26,7 +26,9 @@ from hf_selfspec.tuning.training.self_prompted import passages
 from hf_selfspec.tuning.training.model_text import generated_texts
 from hf_selfspec.tuning.training import training as training_module
 from hf_selfspec.tuning.training.train_adapter import load_train_config, run_train_adapter
-from hf_selfspec.tuning.training.training import covering_vocabulary, time_training_step
+from hf_selfspec.tuning.training.training import (
+    adapter_student, covering_vocabulary, heads_student, time_training_step,
+)
 
 STEPS = 300
 
@@ -113,11 +115,20 @@ def test_the_training_vocabulary_covers_a_share_of_the_corpus_from_the_lowest_id
     assert covering_vocabulary(chunks, 0.9, 1000) == 0
 
 
-def test_a_training_step_is_timed_on_its_vocabulary(tiny_llama_dir):
+@pytest.mark.parametrize("student", ["adapter", "heads"])
+def test_a_training_step_is_timed_on_states_of_the_batch_s_shape(tiny_llama_dir, student):
     model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
     model.requires_grad_(False)
-    seconds = time_training_step(model, 1, True, 64, 2, 16)
-    assert 0 < seconds < 60
+    made = []
+
+    def make(states):
+        made.append(tuple(states.shape))
+        if student == "heads":
+            return heads_student(model, 2, states, lr=1e-4)
+        return adapter_student(model, 1, True, states, lr=1e-4)
+
+    seconds = time_training_step(model, make, 64, 2, 16)
+    assert made == [(2, 16, model.config.hidden_size)] and seconds > 0
 
 
 @pytest.mark.parametrize(

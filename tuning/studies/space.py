@@ -114,7 +114,9 @@ def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, A
     costs); identical skip sets appear once. Numeric knobs start at their `SelfSpecParams`
     defaults, moved into the configured range. Where that range lets `max_draft_tokens` be 0,
     one more trial, the first again, has the model never draft (lookup alone), so that a study on
-    a model no draft pays for starts from what copying gains."""
+    a model no draft pays for starts from what copying gains. Where runner-ups are searched, one
+    more has the first verify as many as the range allows: a range reaches that far only where
+    wide verifications cost little, and there the widest tree is the likeliest good one."""
     defaults = SelfSpecParams()
     # A study that may switch the corpus on starts with it on: it was written for text that repeats.
     online = True in search.online_corpus
@@ -140,4 +142,7 @@ def warm_start_trials(search: SearchConfig, num_layers: int) -> list[dict[str, A
             trials.append({**params, **knob_values})
     if search.range_of("max_draft_tokens")[0] == 0:
         trials.append({**trials[0], "max_draft_tokens": 0})
+    widest = search.range_of("draft_alternatives")[1] if "draft_alternatives" in knob_values else 0
+    if widest > knob_values.get("draft_alternatives", 0):
+        trials.append({**trials[0], "draft_alternatives": int(widest)})
     return trials

@@ -173,14 +173,17 @@ def heads_student(model, heads: int, final: torch.Tensor, lr: float) -> tuple[St
     return Student(f"{heads} draft heads", module, final, tuple(range(1, heads + 1)), module), optimizer
 
 
-def time_training_step(model, exit_layer: int, mlp: bool, vocab_size: int, batch_chunks: int, chunk_tokens: int) -> float:
-    """Median seconds of a training step for `exit_layer` over the lowest `vocab_size` ids (0: all),
-    the teacher's logits for the batch included, on random states (the cost depends on shapes,
-    not values) and a throwaway adapter."""
+def time_training_step(
+    model, make_student: Callable[[torch.Tensor], tuple[Student, torch.optim.Optimizer]], vocab_size: int,
+    batch_chunks: int, chunk_tokens: int,
+) -> float:
+    """Median seconds of a training step of the student `make_student` builds from the states it
+    reads, over the lowest `vocab_size` ids (0: all), the teacher's logits for the batch included,
+    on random states (the cost depends on shapes, not values)."""
     head = _DistillationHead(model, vocab_size)
     generator = torch.Generator().manual_seed(0)
-    shallow, final = (torch.randn(batch_chunks, chunk_tokens, head.weight.shape[1], generator=generator) for _ in range(2))
-    student, optimizer = adapter_student(model, exit_layer, mlp, shallow, lr=1e-4)
+    inputs, final = (torch.randn(batch_chunks, chunk_tokens, head.weight.shape[1], generator=generator) for _ in range(2))
+    student, optimizer = make_student(inputs)
     batch = torch.arange(batch_chunks)
 
     def step() -> None:
