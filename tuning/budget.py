@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .progress import minutes
+from .training.model_text import GENERATION_BATCH
 
 # Each stage's share of an `optimize` budget; the tuner takes whatever the others leave.
 SHARES = {"measure": 0.05, "corpus": 0.15, "adapter": 0.25, "confirm": 0.15}
@@ -22,6 +23,9 @@ SHARES = {"measure": 0.05, "corpus": 0.15, "adapter": 0.25, "confirm": 0.15}
 # several sampled candidates (some run out of tokens unfinished, some are judged unusable).
 REQUEST_TOKENS, ANSWER_TOKENS, CONTINUATION_TOKENS = 64, 128, 128
 CANDIDATES_PER_REQUEST = 4
+# A prompt the model writes after, about: a chat's template and request (a passage for some), or
+# a function's signature and docstring.
+_PROMPT_TOKENS = 160
 CHUNK_TOKENS, BATCH_CHUNKS = 256, 4
 MIN_ADAPTER_STEPS = 100
 _MAX_ADAPTER_STEPS = 2000
@@ -68,29 +72,63 @@ class StepCosts:
         return self.prefill + tokens * self.step
 
 
-def corpus_plan(seconds: float, seconds_per_token: float, chat: bool = True) -> dict[str, int] | str:
+def batch_step_seconds(rows: int, verify_seconds: Mapping[int, float]) -> float:
+    """A decoding step of `rows` texts side by side, priced as a verification of as many tokens
+    of one text: either reads the weights once for all of them. Past the widest width timed, in
+    proportion to the rows."""
+    timed = {int(width): seconds for width, seconds in verify_seconds.items()}
+    widest = max(timed)
+    if rows > widest:
+        return timed[widest] * rows / widest
+    return timed[min(width for width in timed if width >= rows)]
+
+
+def writing_seconds(rows: int, new_tokens: int, verify_seconds: Mapping[int, float], prompt_token: float) -> float:
+    """What `rows` prompts cost to continue by `new_tokens` tokens each in the model's text batches
+    (`GENERATION_BATCH` rows at most): each batch's prefill at `prompt_token` a prompt token, then
+    its steps (`batch_step_seconds`)."""
+    full, rest = divmod(rows, GENERATION_BATCH)
+    batches = [GENERATION_BATCH] * full + ([rest] if rest else [])
+    return sum(size * _PROMPT_TOKENS * prompt_token + new_tokens * batch_step_seconds(size, verify_seconds)
+               for size in batches)
+
+
+def corpus_plan(seconds: float, verify_seconds: Mapping[int, float], prompt_token: float,
+                chat: bool = True) -> dict[str, int] | str:
     """The [corpus] counts that make the model write for about `seconds`: half on standard-library
     functions it continues (code), half on conversations it prompts itself (the workload's kinds
-    of text). A model without a chat template cannot be prompted into a conversation, so that
-    half goes to pieces of standard-library text it continues instead. Where `seconds` pay for
-    less than one of either, why the corpus is skipped."""
-    request = (ANSWER_TOKENS + CANDIDATES_PER_REQUEST * REQUEST_TOKENS) if chat else CONTINUATION_TOKENS
-    half = seconds / 2 / seconds_per_token  # tokens the model writes in half the time
-    # The smallest corpus: one request, its candidates sampled side by side in one batch, and its
-    # answer (or one continuation), and as much code.
-    smallest = (REQUEST_TOKENS + ANSWER_TOKENS) if chat else CONTINUATION_TOKENS
-    if half < smallest:
-        return (f"skipped: {minutes(seconds)} pays for {2 * half:.0f} tokens at {seconds_per_token:.2f} s each, and "
-                f"the smallest corpus ({'one request and its answer' if chat else 'one continuation'}, and as much "
-                f"code) takes {2 * smallest}; give a larger --budget")
+    of text), each written in batches (`writing_seconds`), at most one batch of each: past it,
+    more text costs in proportion, and the teacher's pass over the corpus grows with it. A model
+    without a chat template cannot be prompted into a conversation, so that half goes to pieces of
+    standard-library text it continues instead. Where `seconds` pay for less than one of either,
+    why the corpus is skipped."""
+    half = seconds / 2
+
+    def continued(rows: int) -> float:
+        return writing_seconds(rows, CONTINUATION_TOKENS, verify_seconds, prompt_token)
+
+    def requested(requests: int) -> float:
+        candidates = writing_seconds(CANDIDATES_PER_REQUEST * requests, REQUEST_TOKENS, verify_seconds, prompt_token)
+        return candidates + writing_seconds(requests, ANSWER_TOKENS, verify_seconds, prompt_token)
+
+    conversations = requested if chat else continued
+    most = GENERATION_BATCH // CANDIDATES_PER_REQUEST if chat else GENERATION_BATCH
+    if max(conversations(1), continued(1)) > half:
+        smallest = conversations(1) + continued(1)
+        return (f"skipped: the smallest corpus ({'one request and its answer' if chat else 'one continuation'}, and "
+                f"one function) takes {minutes(smallest)} here, {minutes(seconds)} are left; give a larger --budget")
+    plan = {"stdlib_functions": _most_within(continued, half, GENERATION_BATCH), "generated_tokens": CONTINUATION_TOKENS}
     if chat:
-        plan = {"self_prompted": max(1, int(half / request)), "max_request_tokens": REQUEST_TOKENS,
-                "answer_tokens": ANSWER_TOKENS}
+        plan.update(self_prompted=_most_within(requested, half, most), max_request_tokens=REQUEST_TOKENS,
+                    answer_tokens=ANSWER_TOKENS)
     else:
-        plan = {"stdlib_prompts": max(1, int(half / CONTINUATION_TOKENS))}
-    plan["stdlib_functions"] = max(1, int(half / CONTINUATION_TOKENS))
-    plan["generated_tokens"] = CONTINUATION_TOKENS
+        plan["stdlib_prompts"] = _most_within(continued, half, most)
     return plan
+
+
+def _most_within(cost, seconds: float, most: int) -> int:
+    """The largest count from 1 to `most` whose `cost(count)` fits in `seconds` (1 if none)."""
+    return max([1, *(count for count in range(1, most + 1) if cost(count) <= seconds)])
 
 
 def adapter_text(seconds: float, batch_forward_seconds: float, chat: bool = True) -> dict[str, int]:

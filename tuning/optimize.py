@@ -176,7 +176,8 @@ def _corpus(run: Run) -> dict[str, Any]:
     from .training.write_lookup_corpus import describe_result, load_lookup_corpus_config, run_write_lookup_corpus
 
     measured = run.stages["measure"]
-    plan = _tune_first(run) or corpus_plan(run.share("corpus"), measured["seconds_per_token"], measured["chat"])
+    prompt_token = measured["batch_forward_seconds"] / (BATCH_CHUNKS * CHUNK_TOKENS)
+    plan = _tune_first(run) or corpus_plan(run.share("corpus"), measured["verify_seconds"], prompt_token, measured["chat"])
     if isinstance(plan, str):
         print(f"     corpus: {plan}", flush=True)
         return {"corpus": "", "table": None, "reason": plan}

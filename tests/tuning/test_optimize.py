@@ -252,20 +252,38 @@ def test_a_base_model_without_a_chat_template_gets_a_corpus(tiny_llama_dir, tmp_
 
 
 
+# A verification of 32 tokens costing two of one: a batch of rows writes far faster than one text.
+FLAT = {1: 0.01, 8: 0.012, 32: 0.02}
+
+
 def test_budgets_size_the_corpus_and_the_adapter():
-    small, large = corpus_plan(10, 0.01), corpus_plan(600, 0.01)
+    small, large = corpus_plan(10, FLAT, 1e-4), corpus_plan(200, FLAT, 1e-4)
     assert small["self_prompted"] >= 1 and large["self_prompted"] > small["self_prompted"]
-    assert "stdlib_functions" in large
+    assert large["stdlib_functions"] > small["stdlib_functions"]
     # A base model cannot be prompted into a conversation: it continues standard-library text instead.
-    base = corpus_plan(600, 0.01, chat=False)
+    base = corpus_plan(200, FLAT, 1e-4, chat=False)
     assert "self_prompted" not in base and base["stdlib_prompts"] > 0 and base["generated_tokens"] > 0
     assert base["stdlib_functions"] == large["stdlib_functions"]
-    steps, reason = adapter_plan(5, 0.5)
-    assert steps == 0 and "skipped" in reason and "--budget" in reason
-    steps, reason = adapter_plan(600, 0.1)
-    assert steps >= budget_module.MIN_ADAPTER_STEPS and "0.10 s" in reason
-    # A step that costs a tenth as much pays for ten times the steps, up to the cap.
-    assert adapter_plan(30, 0.01)[0] == 10 * adapter_plan(30, 0.1)[0] == 2000
+
+
+def test_the_corpus_is_written_in_batches_and_planned_so():
+    """Rows side by side cost a step priced as a verification of as many tokens, so a batch of
+    requests costs little more than one where wide verifications are flat: the corpus's seconds
+    buy many more requests than one text at a time would, and each half fits its seconds."""
+    assert budget_module.batch_step_seconds(5, FLAT) == FLAT[8]
+    assert budget_module.batch_step_seconds(64, FLAT) == 2 * FLAT[32]
+    plan = corpus_plan(8, FLAT, 1e-4)  # 4 seconds for each half
+    one_at_a_time = 4 / (FLAT[1] * (budget_module.ANSWER_TOKENS + 4 * budget_module.REQUEST_TOKENS))
+    assert plan["self_prompted"] > 4 * one_at_a_time
+
+    def functions(count: int) -> float:
+        return budget_module.writing_seconds(count, budget_module.CONTINUATION_TOKENS, FLAT, 1e-4)
+
+    assert functions(plan["stdlib_functions"]) <= 4 < functions(plan["stdlib_functions"] + 1)
+    # No more than a batch of each, however long the corpus has.
+    long = corpus_plan(3600, FLAT, 1e-4)
+    assert long["self_prompted"] == budget_module.GENERATION_BATCH // budget_module.CANDIDATES_PER_REQUEST
+    assert long["stdlib_functions"] == budget_module.GENERATION_BATCH
 
 
 def test_the_adapter_text_of_a_chat_model_is_half_reference_answers():

@@ -237,8 +237,9 @@ def test_a_study_too_large_for_its_time_takes_fewer_prompts_before_none():
 
 
 def test_a_corpus_that_cannot_pay_back_is_skipped_with_its_reason():
-    assert corpus_plan(270, 1.0).startswith("skipped")
-    assert corpus_plan(270, 0.01)["self_prompted"] >= 1
+    reason = corpus_plan(270, {1: 1.0, 32: 1.5}, 0.01)
+    assert reason.startswith("skipped") and "--budget" in reason
+    assert corpus_plan(270, {1: 0.01, 32: 0.015}, 0.001)["self_prompted"] >= 1
 
 
 @pytest.mark.parametrize("seconds_per_token", [0.005, 0.02, 0.05, 0.15])
