@@ -131,6 +131,20 @@ def test_a_training_step_is_timed_on_states_of_the_batch_s_shape(tiny_llama_dir,
     assert made == [(2, 16, model.config.hidden_size)] and seconds > 0
 
 
+@pytest.mark.parametrize("student", ["adapter", "heads"])
+def test_a_student_is_made_on_the_model_s_device(tiny_llama_dir, student):
+    # The meta device stands in for a GPU: a student left on the CPU would meet the model's
+    # states on another device at its first step.
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
+    model = model.to("meta").requires_grad_(False)
+    states = torch.empty(2, 16, model.config.hidden_size, device="meta")
+    if student == "heads":
+        made, _ = heads_student(model, 2, states, lr=1e-4)
+    else:
+        made, _ = adapter_student(model, 1, True, states, lr=1e-4)
+    assert {p.device for p in made.module.parameters()} == {model.device}
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -155,16 +155,17 @@ def distillation_step(
     return loss.item()
 
 
-def _trainable(module: nn.Module, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """`module` in training mode with its master weights in float32, and its optimizer."""
-    module = module.float().train().requires_grad_(True)
+def _trainable(module: nn.Module, device: torch.device, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """`module` on `device` (the model's: the states it reads are moved there) in training mode,
+    with its master weights in float32, and its optimizer."""
+    module = module.to(device=device, dtype=torch.float32).train().requires_grad_(True)
     return module, torch.optim.AdamW(module.parameters(), lr=lr)
 
 
 def adapter_student(model, exit_layer: int, mlp: bool, shallow: torch.Tensor, lr: float) -> tuple[Student, torch.optim.Optimizer]:
     """A new adapter for `exit_layer`, a copy of that (frozen) layer, reading `shallow`: what
     enters that layer."""
-    adapter, optimizer = _trainable(DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)), lr)
+    adapter, optimizer = _trainable(DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)), model.device, lr)
     positions = torch.arange(shallow.shape[1], device=model.device)[None]
     forward = lambda hidden: adapter(hidden, positions.expand(hidden.shape[0], -1))[:, :, None]  # noqa: E731
     return Student(f"exit layer {exit_layer}", adapter, shallow, (0,), forward), optimizer
@@ -172,7 +173,7 @@ def adapter_student(model, exit_layer: int, mlp: bool, shallow: torch.Tensor, lr
 
 def heads_student(model, heads: int, final: torch.Tensor, lr: float) -> tuple[Student, torch.optim.Optimizer]:
     """New draft heads, the identity, reading `final`: the states the LM head reads."""
-    module, optimizer = _trainable(DraftHeads(HeadsShape.for_model(model, heads)), lr)
+    module, optimizer = _trainable(DraftHeads(HeadsShape.for_model(model, heads)), model.device, lr)
     return Student(f"{heads} draft heads", module, final, tuple(range(1, heads + 1)), module), optimizer
 
 
