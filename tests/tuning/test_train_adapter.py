@@ -39,6 +39,7 @@ def _config(directory: Path, model_dir: Path, draft_heads: int = 0, **overrides)
     lines = [
         "[model]", f'name = "{model_dir}"', "[corpus]", "stdlib_tokens = 2048", "humaneval_from = 150",
         "chunk_tokens = 64", "[adapter]", "exit_layers = [2]", f"draft_heads = {draft_heads}", 'output_dir = "out"',
+        'heads_name = "general-heads"',
         "[training]",
         *(f"{key} = {value}" for key, value in training.items()),
     ]
@@ -48,7 +49,7 @@ def _config(directory: Path, model_dir: Path, draft_heads: int = 0, **overrides)
     return path
 
 
-@pytest.mark.parametrize("draft_heads, written, checkpoint", [(0, "kangaroo-exit2", "exit2"), (3, "draft-heads", "heads3")])
+@pytest.mark.parametrize("draft_heads, written, checkpoint", [(0, "kangaroo-exit2", "exit2"), (3, "general-heads", "heads3")])
 def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(
     draft_heads, written, checkpoint, tiny_llama_dir, tmp_path, monkeypatch
 ):
@@ -155,6 +156,7 @@ def test_a_student_is_made_on_the_model_s_device(tiny_llama_dir, student):
         ("[optimizer]\n", "unknown section"),
         ("[training]\nlr = -1.0\n", "positive"),
         ("[adapter]\ndraft_heads = -1\n", "draft_heads: must be 0"),
+        ("[adapter]\nheads_name = \"out/heads\"\n", "heads_name: must be a file name"),
         ("[corpus]\nstdlib_prompts = 5\n", "needs generated_tokens"),
         ("[corpus]\nstdlib_functions = 5\n", "needs generated_tokens"),
         ("[corpus]\ngenerated_tokens = -2\n", "positive"),

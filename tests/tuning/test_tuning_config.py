@@ -52,7 +52,8 @@ def test_every_shipped_recipe_writes_over_the_file_the_package_ships(path):
 
     if "[adapter]" in path.read_text(encoding="utf-8"):
         config = load_train_config(path)
-        outputs = [config.adapter_path(exit_layer) for exit_layer in config.adapter.exit_layers]
+        outputs = [config.adapter_path(exit_layer) for exit_layer in config.exit_layers]
+        outputs += [config.heads_path] if config.adapter.draft_heads else []
     else:
         outputs = [load_lookup_corpus_config(path).corpus_path]
     for output in outputs:

@@ -31,8 +31,9 @@ class AdapterConfig:
     mlp: bool = True
     name: str = "kangaroo-exit{exit_layer}"
     output_dir: str = "."
-    # Train this many draft heads (`draft-heads.safetensors`) in place of the exit layers' adapters.
+    # Train this many draft heads (`<heads_name>.safetensors`) in place of the exit layers' adapters.
     draft_heads: int = 0
+    heads_name: str = "draft-heads"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class TrainAdapterConfig:
 
     def adapter_path(self, exit_layer: int) -> Path:
         return self.output_dir / (self.adapter.name.format(exit_layer=exit_layer) + ".safetensors")
+
+    @property
+    def heads_path(self) -> Path:
+        return self.output_dir / (self.adapter.heads_name + ".safetensors")
 
     @property
     def exit_layers(self) -> tuple[int, ...]:
@@ -75,6 +80,10 @@ def load_train_config(path: str | Path) -> TrainAdapterConfig:
         raise reader.error(
             "adapter.name", f"must be a file name without a directory, using only the {{exit_layer}} placeholder, got {adapter.name!r}"
         ) from None
+    try:
+        file_stem(adapter.heads_name, "")
+    except ValueError as error:
+        raise reader.error("adapter.heads_name", str(error)) from None
     return TrainAdapterConfig(reader.path, read_model_section(reader), corpus, adapter, training)
 
 
@@ -126,7 +135,7 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, lo
     if config.adapter.draft_heads:
         heads = config.adapter.draft_heads
         students.append((None, f"heads{heads}", partial(heads_student, model, heads, teacher.final, lr),
-                         config.output_dir / "draft-heads.safetensors"))
+                         config.heads_path))
     results = []
     for exit_layer, checkpoint, make_student, output in students:
         path, agreement = train_student(
