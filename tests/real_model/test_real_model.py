@@ -27,6 +27,8 @@ ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-generation_config.j
 GENERAL_ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-general-generation_config.json")["cpu/bfloat16"]
 # The default a CPU with AMX applies in bfloat16, which no other CPU selects: run here in each dtype.
 AMX_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/amx/bfloat16"]
+# The default any other CPU with native bfloat16 applies: one draft head's token and its runner-ups beside lookup.
+HEADS_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/bfloat16"]
 
 
 STRATEGY_KWARGS = {
@@ -51,6 +53,8 @@ STRATEGY_KWARGS = {
     "kangaroo_alone_general_profile": {"strategy": GENERAL_ALONE_PROFILE.strategy, **GENERAL_ALONE_PROFILE.params},
     # Thirteen-token lookups into the general corpus, the general adapter's drafts, no back-off.
     "amx_default_profile": {"strategy": AMX_PROFILE.strategy, **AMX_PROFILE.params},
+    # The shipped general draft heads (general-heads3), run here in each dtype.
+    "heads_default_profile": {"strategy": HEADS_PROFILE.strategy, **HEADS_PROFILE.params},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
