@@ -83,21 +83,25 @@ def batch_step_seconds(rows: int, verify_seconds: Mapping[int, float]) -> float:
     return timed[min(width for width in timed if width >= rows)]
 
 
-def writing_seconds(rows: int, new_tokens: int, verify_seconds: Mapping[int, float], prompt_token: float) -> float:
+def writing_seconds(rows: int, new_tokens: int, verify_seconds: Mapping[int, float], prompt_token: float,
+                    row_choice: float = 0.0) -> float:
     """What `rows` prompts cost to continue by `new_tokens` tokens each in the model's text batches
     (`GENERATION_BATCH` rows at most): each batch's prefill at `prompt_token` a prompt token, then
-    its steps (`batch_step_seconds`)."""
+    its steps (`batch_step_seconds`), each choosing every row's token at `row_choice` (sampled
+    text; greedy text's choice is an argmax, free beside the step)."""
     full, rest = divmod(rows, GENERATION_BATCH)
     batches = [GENERATION_BATCH] * full + ([rest] if rest else [])
-    return sum(size * _PROMPT_TOKENS * prompt_token + new_tokens * batch_step_seconds(size, verify_seconds)
+    return sum(size * _PROMPT_TOKENS * prompt_token
+               + new_tokens * (batch_step_seconds(size, verify_seconds) + size * row_choice)
                for size in batches)
 
 
 def corpus_plan(seconds: float, verify_seconds: Mapping[int, float], prompt_token: float,
-                chat: bool = True) -> dict[str, int] | str:
+                chat: bool = True, sampled_row_choice: float = 0.0) -> dict[str, int] | str:
     """The [corpus] counts that make the model write for about `seconds`: half on standard-library
     functions it continues (code), half on conversations it prompts itself (the workload's kinds
-    of text), each written in batches (`writing_seconds`), at most one batch of each: past it,
+    of text, the requests sampled at `sampled_row_choice` a row's token beside each step), each
+    written in batches (`writing_seconds`), at most one batch of each: past it,
     more text costs in proportion, and the teacher's pass over the corpus grows with it. A model
     without a chat template cannot be prompted into a conversation, so that half goes to pieces of
     standard-library text it continues instead. Where `seconds` pay for less than one of either,
@@ -108,7 +112,8 @@ def corpus_plan(seconds: float, verify_seconds: Mapping[int, float], prompt_toke
         return writing_seconds(rows, CONTINUATION_TOKENS, verify_seconds, prompt_token)
 
     def requested(requests: int) -> float:
-        candidates = writing_seconds(CANDIDATES_PER_REQUEST * requests, REQUEST_TOKENS, verify_seconds, prompt_token)
+        candidates = writing_seconds(CANDIDATES_PER_REQUEST * requests, REQUEST_TOKENS, verify_seconds, prompt_token,
+                                     sampled_row_choice)
         return candidates + writing_seconds(requests, ANSWER_TOKENS, verify_seconds, prompt_token)
 
     conversations = requested if chat else continued

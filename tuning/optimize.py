@@ -133,6 +133,9 @@ def _measure(run: Run) -> dict[str, Any]:
 
     from hf_selfspec.tuner_api import decoder_layers, timed
 
+    from .training.corpus import CorpusConfig
+    from .training.self_prompted import time_sampled_choice
+
     model, tokenizer = run.request.model.load()
     seconds_per_token, prefill_seconds = time_plain_step(model, tokenizer, load_prompts(WORKLOAD, 1)[0])
     progress.say(f"     a plain step takes {seconds_per_token:.3f} s here, after a prompt's prefill of "
@@ -143,13 +146,16 @@ def _measure(run: Run) -> dict[str, Any]:
     with torch.inference_mode():
         forward = [timed(lambda: model(chunk, use_cache=False), model.device)[1] for _ in range(2)]
     rounds = verification_rounds(run.share("measure"), seconds_per_token)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
     result = {
         "num_layers": len(decoder_layers(model)),
-        "vocab_size": model.get_output_embeddings().weight.shape[0],
+        "vocab_size": vocab_size,
         "verify_seconds": time_verification(model, rounds=rounds),
         "seconds_per_token": seconds_per_token,
         "prefill_seconds": prefill_seconds,
         "batch_forward_seconds": BATCH_CHUNKS * forward[-1],
+        # the corpus stage samples its requests with the [corpus] defaults
+        "sampled_row_choice_seconds": time_sampled_choice(vocab_size, model.device, CorpusConfig()),
         "objective": objective_for(model),
         "chat": bool(getattr(tokenizer, "chat_template", None)),
     }
@@ -177,7 +183,9 @@ def _corpus(run: Run) -> dict[str, Any]:
 
     measured = run.stages["measure"]
     prompt_token = measured["batch_forward_seconds"] / (BATCH_CHUNKS * CHUNK_TOKENS)
-    plan = _tune_first(run) or corpus_plan(run.share("corpus"), measured["verify_seconds"], prompt_token, measured["chat"])
+    # A run measured before the sampling's choice was timed prices it at nothing, as it did then.
+    plan = _tune_first(run) or corpus_plan(run.share("corpus"), measured["verify_seconds"], prompt_token,
+                                           measured["chat"], measured.get("sampled_row_choice_seconds", 0.0))
     if isinstance(plan, str):
         print(f"     corpus: {plan}", flush=True)
         return {"corpus": "", "table": None, "reason": plan}

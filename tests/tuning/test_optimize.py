@@ -286,6 +286,23 @@ def test_the_corpus_is_written_in_batches_and_planned_so():
     assert long["stdlib_functions"] == budget_module.GENERATION_BATCH
 
 
+def test_the_sampled_requests_pay_for_choosing_their_tokens():
+    """Sampling at a top-p below one sorts each row's vocabulary every step: where that choice
+    costs as much as the batch's step, fewer requests fit the same seconds, and the ones that fit
+    still fit once their choice is counted; greedy continuations choose by argmax and are not
+    charged."""
+    free, priced = corpus_plan(8, FLAT, 1e-4), corpus_plan(8, FLAT, 1e-4, sampled_row_choice=FLAT[32] / 8)
+    assert 1 <= priced["self_prompted"] < free["self_prompted"]
+    assert priced["stdlib_functions"] == free["stdlib_functions"]
+    requests = priced["self_prompted"]
+    candidates = budget_module.CANDIDATES_PER_REQUEST * requests
+    spent = (budget_module.writing_seconds(candidates, budget_module.REQUEST_TOKENS, FLAT, 1e-4, FLAT[32] / 8)
+             + budget_module.writing_seconds(requests, budget_module.ANSWER_TOKENS, FLAT, 1e-4))
+    assert spent <= 4
+    assert (budget_module.writing_seconds(8, 10, FLAT, 0.0, 0.5)
+            == budget_module.writing_seconds(8, 10, FLAT, 0.0) + 8 * 10 * 0.5)
+
+
 def test_the_adapter_text_of_a_chat_model_is_half_reference_answers():
     small, large = adapter_text(10, 0.5), adapter_text(600, 0.5)
     assert 0 < small["stdlib_tokens"] < large["stdlib_tokens"]

@@ -195,6 +195,24 @@ def _split(ids: list[int]) -> list[list[int]]:
     return texts
 
 
+def test_the_timed_choice_samples_a_token_for_every_row_of_a_batch(monkeypatch):
+    """What the corpus plan prices is one step's choice for a whole batch of requests."""
+    import hf_selfspec.tuner_api
+
+    monkeypatch.setattr(model_text, "GENERATION_BATCH", 3)
+    chosen = []
+
+    def timed(run, device):
+        chosen.append(run())
+        return chosen[-1], 0.25 * len(chosen)
+
+    monkeypatch.setattr(hf_selfspec.tuner_api, "timed", timed)
+    seconds = self_prompted.time_sampled_choice(50, torch.device("cpu"), CorpusConfig())
+    assert seconds == 0.5 / 3  # the second of two, warmed up, shared among the batch's rows
+    assert [tokens.shape for tokens in chosen] == [(3, 1), (3, 1)]
+    assert all(0 <= token < 50 for tokens in chosen for token in tokens.flatten().tolist())
+
+
 def test_every_workload_category_has_a_task_seed_and_they_are_the_default():
     assert CorpusConfig().task_seeds == WORKLOAD_CATEGORIES
     assert all(self_prompted.TASK_SEEDS[name].openings for name in WORKLOAD_CATEGORIES)

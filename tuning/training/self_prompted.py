@@ -265,6 +265,26 @@ def _sample_batch(model, prompts: list[list[int]], corpus: SelfPromptedRecipe, t
     return rows
 
 
+def time_sampled_choice(vocab_size: int, device: torch.device, corpus: SelfPromptedRecipe) -> float:
+    """Seconds a sampling step spends choosing one request's token from its logits, as
+    `_sample_batch` chooses them for a batch of `model_text.GENERATION_BATCH`: below a
+    `request_top_p` of one each row's whole vocabulary is sorted, which on a small model costs more
+    than the step's forward pass, so a plan that priced the forward pass alone overran. The
+    batch's choice is timed once after one untimed."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    from hf_selfspec.tuner_api import timed
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(corpus.request_temperature),
+                                   TopPLogitsWarper(corpus.request_top_p)])
+    logits = torch.randn((model_text.GENERATION_BATCH, vocab_size), device=device)
+
+    def choose() -> torch.Tensor:
+        return torch.multinomial(warpers(None, logits).softmax(dim=-1), num_samples=1)
+
+    return [timed(choose, device)[1] for _ in range(2)][-1] / model_text.GENERATION_BATCH
+
+
 @dataclass
 class _Progress:
     """What sampling has done so far; saved after every batch (as plain lists and numbers)."""
