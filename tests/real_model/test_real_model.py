@@ -29,6 +29,8 @@ GENERAL_ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-general-gen
 AMX_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/amx/bfloat16"]
 # The default any other CPU with native bfloat16 applies: one draft head's token and its runner-ups beside lookup.
 HEADS_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/bfloat16"]
+# The default in float32: the same heads, fewer runner-ups, tuned where a verification's width costs more.
+FLOAT32_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/float32"]
 
 
 STRATEGY_KWARGS = {
@@ -55,6 +57,7 @@ STRATEGY_KWARGS = {
     "amx_default_profile": {"strategy": AMX_PROFILE.strategy, **AMX_PROFILE.params},
     # The shipped general draft heads (general-heads3), run here in each dtype.
     "heads_default_profile": {"strategy": HEADS_PROFILE.strategy, **HEADS_PROFILE.params},
+    "float32_default_profile": {"strategy": FLOAT32_PROFILE.strategy, **FLOAT32_PROFILE.params},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
