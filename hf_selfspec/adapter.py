@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .cache import cache_keyword
-from .draft_heads import HEADS_FORMAT, DraftHeads, HeadsShape
+from .draft_heads import HEADS_FORMAT, DraftChain, DraftHeads, HeadsShape, heads_for
 from .files import adapter_files, existing_adapter_files, save_tensor_file_pair
 from .inputs import InputError, existing_file, read_text_file
 from .layer_skip import decoder_layers
@@ -154,7 +154,7 @@ class DraftAdapter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
 
 
-def save_adapter(adapter: DraftAdapter | DraftHeads, path: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_adapter(adapter: DraftAdapter | DraftHeads | DraftChain, path: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the weights and the shape, each through a temporary file renamed into place."""
     weights_path, shape_path = adapter_files(path)
     tensors = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in adapter.trained_state().items()}
@@ -191,7 +191,7 @@ def check_adapter_file(path: str | Path, what: str = "draft adapter") -> Path:
     return weights
 
 
-def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter | DraftHeads:
+def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter | DraftHeads | DraftChain:
     """The adapter (or draft heads) at `path`, checked against `model`, in the model's dtype and
     on its device."""
     from safetensors import SafetensorError
@@ -200,7 +200,7 @@ def read_adapter(model: nn.Module, path: str | Path) -> DraftAdapter | DraftHead
     weights_path, shape_path = adapter_files(path)
     shape = read_adapter_shape(path)  # checks that both files are there
     shape.check_fits(model, str(shape_path))
-    adapter = DraftHeads(shape) if isinstance(shape, HeadsShape) else DraftAdapter(model, shape)
+    adapter = heads_for(shape) if isinstance(shape, HeadsShape) else DraftAdapter(model, shape)
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError) as error:
@@ -228,7 +228,7 @@ _loaded: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionar
 _loading = threading.Lock()
 
 
-def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter | DraftHeads:
+def load_adapter(model: nn.Module, path: str | Path) -> DraftAdapter | DraftHeads | DraftChain:
     weights_path, _ = adapter_files(local_file(path, "draft adapter"))
     stamp = (str(weights_path.resolve()), weights_path.stat().st_mtime_ns if weights_path.is_file() else None,
              model.dtype, model.device)

@@ -8,6 +8,12 @@ and nothing enters the cache, so a draft costs a few small products, and a rejec
 only its verification's extra width, which is next to nothing where a forward pass is bound by
 reading the weights (a GPU, a CPU with native bfloat16).
 
+Chained heads (`DraftChain`, in the manner of Hydra and EAGLE) read the token as well: one
+block takes a state and the input embedding of the token that state chose, and gives the state
+that chooses the next token; it runs once per drafted token, on its own output and the token it
+drafted last. A guess further ahead then knows the guesses before it, where separate heads
+must each guess all the tokens in between at once.
+
 On disk, heads are a pair of files like an adapter's (`files.adapter_files`) whose description
 says `HEADS_FORMAT`; a profile's `draft_adapter` names either kind.
 """
@@ -29,10 +35,12 @@ class HeadsShape:
     model_type: str
     hidden_size: int
     heads: int
+    # One block run once per token (`DraftChain`), in place of a block per head (`DraftHeads`).
+    chained: bool = False
 
     @classmethod
-    def for_model(cls, model: nn.Module, heads: int) -> HeadsShape:
-        return cls(model.config.model_type, model.config.hidden_size, heads)
+    def for_model(cls, model: nn.Module, heads: int, chained: bool = False) -> HeadsShape:
+        return cls(model.config.model_type, model.config.hidden_size, heads, chained)
 
     def to_json(self) -> dict:
         return {"format": HEADS_FORMAT, **asdict(self)}
@@ -49,6 +57,8 @@ class HeadsShape:
             value = getattr(shape, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+        if not isinstance(shape.chained, bool):
+            raise ValueError(f"{where}: chained must be true or false, got {shape.chained!r}")
         return shape
 
     def check_fits(self, model: nn.Module, where: str) -> None:
@@ -80,3 +90,43 @@ class DraftHeads(nn.Module):
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         return self.state_dict()
+
+
+class DraftChain(nn.Module):
+    """One block `f + W2 silu(W1 [f; e] + b1) + b2` for every token of a draft: `f` is the state
+    that chose a token (the model's final state for the committed one, then the block's own
+    output), `e` that token's input embedding. `W2` and `b2` start at zero, so an untrained chain
+    guesses what the LM head already says, as untrained heads do; the embedding goes in as the
+    model's embedding layer gives it, whatever scale that has."""
+
+    def __init__(self, shape: HeadsShape):
+        super().__init__()
+        self.shape = shape
+        width = 2 * shape.hidden_size
+        self.up = nn.Linear(width, width)
+        self.down = nn.Linear(width, shape.hidden_size)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def step(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """`[..., hidden]` states and the embeddings of the tokens they chose to the states that
+        choose the tokens after those."""
+        return state + self.down(nn.functional.silu(self.up(torch.cat([state, embedded], dim=-1))))
+
+    def forward(self, hidden: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: `[..., hidden]` final states and `[..., heads, hidden]` the embeddings
+        of the token each state chose and of the `heads - 1` tokens after it, to `[..., heads,
+        hidden]`: what the LM head reads for each of the tokens 1, 2, ... places after the chosen one."""
+        states = []
+        for ahead in range(self.shape.heads):
+            hidden = self.step(hidden, following[..., ahead, :])
+            states.append(hidden)
+        return torch.stack(states, dim=-2)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        return self.state_dict()
+
+
+def heads_for(shape: HeadsShape) -> DraftHeads | DraftChain:
+    """New heads of `shape`'s kind, untrained."""
+    return DraftChain(shape) if shape.chained else DraftHeads(shape)

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .adapter import DraftAdapter
-from .draft_heads import DraftHeads
+from .draft_heads import DraftChain, DraftHeads
 from .cache import DraftAwareCache, Realignment, cache_keyword, drop_columns, keep_rows, shift_rows
 from .decoding_types import DecodingState, Draft, Drafter, ExitPolicy, StepOutcome
 from .layer_skip import SkippingDecoder, decoder_layers
@@ -364,11 +364,14 @@ class AssistantDrafter(Drafter):
 
 
 class DraftHeadsDrafter(Drafter):
-    """Draft heads (`draft_heads.py`): every head read from the final hidden state whose LM head
-    chose a row's newest token, which the last verification computed and handed over. No layer
-    runs and the shared cache is untouched: nothing to feed, nothing to roll back."""
+    """Draft heads (`draft_heads.py`): read from the final hidden state whose LM head chose a
+    row's newest token, which the last verification computed and handed over. No layer runs and
+    the shared cache is untouched: nothing to feed, nothing to roll back. Separate heads are all
+    read from that state at once; a chain runs once per token, on the token it drafted last."""
 
-    def __init__(self, model: nn.Module, heads: DraftHeads, draft_vocab_size: int = 0, alternatives: int = 0):
+    def __init__(
+        self, model: nn.Module, heads: DraftHeads | DraftChain, draft_vocab_size: int = 0, alternatives: int = 0
+    ):
         self.model, self.heads = model, heads
         self.draft_vocab_size, self.alternatives = draft_vocab_size, alternatives
         self.hidden_layer = len(decoder_layers(model))  # the normed final state, what the LM head reads
@@ -381,16 +384,26 @@ class DraftHeadsDrafter(Drafter):
     def propose_rows(self, states, limits, exit_policies, selectors):
         if self.head is None:  # first draft: each text is its prompt and one token
             self.head = _draft_head(self.model, self.draft_vocab_size, states)
-        guessed = self.heads(self.features)  # [rows, heads, hidden]
-        scores = self.head(guessed.flatten(0, 1)).view(len(states), guessed.shape[1], -1)
         alternatives = self.alternatives if len(states) == 1 else 0  # a batch verifies none
         drafts = [Draft() for _ in states]
-        for row, (state, draft) in enumerate(zip(states, drafts)):
-            for ahead in range(min(limits[row], guessed.shape[1])):
-                logits = scores[row, ahead : ahead + 1]
-                confidence = _draft_token(draft, selectors[row], state, state.length + ahead, logits, alternatives)
-                if exit_policies[row].exits_after(confidence):
-                    break
+        drafting = [row for row, limit in enumerate(limits) if limit > 0]
+        chained = isinstance(self.heads, DraftChain)
+        # Separate heads: every head's scores at once, `[rows, heads, vocab]`.
+        head_scores = None if chained else self.head(self.heads(self.features).flatten(0, 1)).view(len(states), self.heads.shape.heads, -1)
+        before = self.features  # the chain's state before each token it drafts
+        chosen = torch.cat([state.sequence[:, state.length - 1] for state in states])  # the token it chose
+        for ahead in range(min(max(limits), self.heads.shape.heads)):
+            if chained:
+                before = self.heads.step(before, self.model.get_input_embeddings()(chosen))
+            scores = self.head(before) if chained else head_scores[:, ahead]
+            for row in list(drafting):
+                state = states[row]
+                confidence = _draft_token(drafts[row], selectors[row], state, state.length + ahead, scores[row : row + 1], alternatives)
+                chosen[row] = state.sequence[0, state.length + ahead]
+                if exit_policies[row].exits_after(confidence) or ahead + 1 == limits[row]:
+                    drafting.remove(row)
+            if not drafting:
+                break
         return drafts
 
     def learn(self, outcome: StepOutcome) -> None:

@@ -21,7 +21,7 @@ from .decoding import RowParts, SpeculationParts
 from .adapter import load_adapter
 from .masks import check_hand_built_masks_supported
 from .decoding_types import Drafter, ExitPolicy
-from .draft_heads import DraftHeads
+from .draft_heads import HeadsShape
 from .drafters import AssistantDrafter, DraftHeadsDrafter, LayerSkipDrafter, ShallowExitDrafter
 from .layer_skip import SkippingDecoder
 from .lookup import CorpusLookup, OnlineLookup, PromptLookup, TextLookup
@@ -169,7 +169,7 @@ class Strategy:
             )
         if params.draft_adapter:
             adapter = load_adapter(model, params.draft_adapter)
-            if isinstance(adapter, DraftHeads):
+            if isinstance(adapter.shape, HeadsShape):
                 return DraftHeadsDrafter(model, adapter, params.draft_vocab_size, params.draft_alternatives)
             return ShallowExitDrafter(model, cache, adapter, params.draft_vocab_size, params.draft_alternatives,
                                       params.batch_quorum)

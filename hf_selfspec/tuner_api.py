@@ -20,7 +20,7 @@ from .argtypes import positive_float, positive_int
 from .cache import DraftAwareCache, cache_keyword
 from .consistency import DIVERGENT, NEAR_TIE, Consistency, check_greedy_consistency
 from .decoding import DecodeRequest, Runtime, WallClock, speculative_decode
-from .draft_heads import DraftHeads, HeadsShape
+from .draft_heads import DraftChain, DraftHeads, HeadsShape, heads_for
 from .decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter, ExitPolicy
 from .drafters import DraftHeadsDrafter, LayerSkipDrafter, RestrictedDraftHead, ShallowExitDrafter
 from .dtypes import AUTO, parse_dtype
@@ -68,6 +68,7 @@ __all__ = [
     "Draft",
     "DraftAdapter",
     "DraftAwareCache",
+    "DraftChain",
     "DraftHeads",
     "DraftHeadsDrafter",
     "Drafter",
@@ -121,6 +122,7 @@ __all__ = [
     "files_named_by",
     "forward_timings",
     "geometric_mean",
+    "heads_for",
     "load_adapter",
     "load_embedded",
     "load_model_and_tokenizer",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hf_selfspec.adapter import AdapterShape, DraftAdapter, save_adapter
-from hf_selfspec.draft_heads import DraftHeads, HeadsShape
+from hf_selfspec.draft_heads import HeadsShape, heads_for
 from hf_selfspec.loading import load_model_and_tokenizer
 
 
@@ -21,15 +21,15 @@ def random_adapter(model, exit_layer: int, directory, mlp: bool = True, seed: in
     return str(save_adapter(adapter, directory / f"adapter-{exit_layer}-{int(mlp)}"))
 
 
-def random_heads(model, directory, heads: int = 3, scale: float = 0.5, seed: int = 5) -> str:
-    """Draft heads with random weights (a poor draft, which exercises rejections), or the
-    identity (`scale` 0)."""
-    drafted = DraftHeads(HeadsShape.for_model(model, heads))
+def random_heads(model, directory, heads: int = 3, scale: float = 0.5, seed: int = 5, chained: bool = False) -> str:
+    """Draft heads (a chain of them where `chained`) with random weights (a poor draft, which
+    exercises rejections), or the identity (`scale` 0)."""
+    drafted = heads_for(HeadsShape.for_model(model, heads, chained))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in drafted.parameters():
             parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
-    return str(save_adapter(drafted, directory / f"heads-{heads}-{seed}-{scale}"))
+    return str(save_adapter(drafted, directory / f"{'chain' if chained else 'heads'}-{heads}-{seed}-{scale}"))
 
 
 def assert_trained_draft_matches_plain_greedy(architecture: str, draft_file, knobs: list[dict]) -> None:

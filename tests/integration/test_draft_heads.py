@@ -1,6 +1,6 @@
-"""Draft heads on the model's final hidden state (`draft_heads.py`): lossless on every tiny
-architecture, reading the state the verifier chose each newest token from, and clear errors
-for heads that do not fit."""
+"""Draft heads on the model's final hidden state (`draft_heads.py`), separate or chained:
+lossless on every tiny architecture, reading the state the verifier chose each newest token
+from, and clear errors for heads that do not fit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_selfspec.adapter import read_adapter
-from hf_selfspec.draft_heads import DraftHeads, HeadsShape
+from hf_selfspec.draft_heads import DraftChain, DraftHeads, HeadsShape
 from hf_selfspec.drafters import DraftHeadsDrafter
 from hf_selfspec.files import adapter_files
 from helpers.adapters import assert_trained_draft_matches_plain_greedy, random_heads
@@ -28,19 +28,22 @@ KNOBS = [
 ]
 
 
+@pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_draft_heads_match_plain_greedy(architecture, tmp_path):
-    assert_trained_draft_matches_plain_greedy(architecture, lambda model: random_heads(model, tmp_path), KNOBS)
+def test_draft_heads_match_plain_greedy(architecture, chained, tmp_path):
+    assert_trained_draft_matches_plain_greedy(
+        architecture, lambda model: random_heads(model, tmp_path, chained=chained), KNOBS
+    )
 
 
-def _recording_drafts(monkeypatch) -> list[tuple[int, int]]:
-    """`(newest committed token, first drafted token)` of every draft the heads make."""
+def _recording_drafts(monkeypatch) -> list[tuple[int, list[int]]]:
+    """`(newest committed token, drafted tokens)` of every draft the heads make."""
     seen = []
     propose_rows = DraftHeadsDrafter.propose_rows
 
     def recording(self, states, limits, exit_policies, selectors):
         drafts = propose_rows(self, states, limits, exit_policies, selectors)
-        seen.extend((int(state.sequence[0, state.length - 1]), draft.tokens[0])
+        seen.extend((int(state.sequence[0, state.length - 1]), [int(token) for token in draft.tokens])
                     for state, draft in zip(states, drafts) if draft.tokens)
         return drafts
 
@@ -48,63 +51,79 @@ def _recording_drafts(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
+@pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("architecture", ["llama", "gemma3"])
 @pytest.mark.parametrize("alternatives", [0, 3])
-def test_an_identity_head_guesses_the_newest_token_again(architecture, alternatives, tmp_path, monkeypatch):
+def test_an_identity_head_guesses_the_newest_token_again(architecture, alternatives, chained, tmp_path, monkeypatch):
     """An untrained head passes the final state through, so the LM head's choice from it is the
-    token that state chose: every draft must start with the newest committed token. Any other
-    row of the verification (the wrong accepted position, an alternative's row not followed)
-    would guess another token."""
+    token that state chose: every draft must be the newest committed token, again and again.
+    Any other row of the verification (the wrong accepted position, an alternative's row not
+    followed) would guess another token."""
     model = tiny_model(architecture, initializer_range=0.3)
-    heads = random_heads(model, tmp_path, heads=2, scale=0.0)
+    heads = random_heads(model, tmp_path, heads=2, scale=0.0, chained=chained)
     seen = _recording_drafts(monkeypatch)
     for prompt in random_prompts(model.config.vocab_size):
         assert_same_greedy(model, prompt, strategy="kangaroo", draft_adapter=heads, draft_exit_threshold=0.0,
                            max_draft_tokens=2, backoff_probe_interval=0, draft_alternatives=alternatives)
     assert len(seen) > 10
-    assert all(newest == guessed for newest, guessed in seen), seen
+    assert all(guessed == [newest] * len(guessed) for newest, guessed in seen), seen
 
 
-def test_an_identity_head_guesses_the_newest_token_in_a_batch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("chained", [False, True])
+def test_an_identity_head_guesses_the_newest_token_in_a_batch(chained, tmp_path, monkeypatch):
     model = tiny_model("qwen2", initializer_range=0.3)
-    heads = random_heads(model, tmp_path, heads=2, scale=0.0)
+    heads = random_heads(model, tmp_path, heads=2, scale=0.0, chained=chained)
     seen = _recording_drafts(monkeypatch)
     input_ids, attention_mask = ragged_batch(model.config.vocab_size, rows=3)
     assert_same_batched_greedy(model, input_ids, attention_mask, strategy="kangaroo", draft_adapter=heads,
                                draft_exit_threshold=0.0, max_draft_tokens=2, backoff_probe_interval=0)
     assert len(seen) > 10
-    assert all(newest == guessed for newest, guessed in seen), seen
+    assert all(guessed == [newest] * len(guessed) for newest, guessed in seen), seen
 
 
 @pytest.mark.parametrize("architecture", ["mistral", "gemma2"])
-def test_random_heads_match_plain_greedy_in_a_batch(architecture, tmp_path):
+@pytest.mark.parametrize("chained", [False, True])
+def test_random_heads_match_plain_greedy_in_a_batch(architecture, chained, tmp_path):
     model = tiny_model(architecture, initializer_range=0.3)
-    heads = random_heads(model, tmp_path)
+    heads = random_heads(model, tmp_path, chained=chained)
     input_ids, attention_mask = ragged_batch(model.config.vocab_size, rows=3)
     output, _ = assert_same_batched_greedy(model, input_ids, attention_mask, strategy="kangaroo", draft_adapter=heads,
                                            draft_exit_threshold=0.0, max_draft_tokens=3, backoff_probe_interval=0)
     assert output.strategy_stats.drafted_tokens > 0
 
 
-def test_sampling_with_heads_keeps_the_distribution(tmp_path):
+@pytest.mark.parametrize("chained", [False, True])
+def test_sampling_with_heads_keeps_the_distribution(chained, tmp_path):
     model = sampling_model()
-    heads = random_heads(model, tmp_path, scale=0.2)
+    heads = random_heads(model, tmp_path, scale=0.2, chained=chained)
     counts = sample_counts(model, seed=2024, strategy="kangaroo", draft_adapter=heads, draft_exit_threshold=0.0)
     assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
 
 
-def test_heads_save_and_load_round_trip(tmp_path):
+@pytest.mark.parametrize("chained, kind", [(False, DraftHeads), (True, DraftChain)])
+def test_heads_save_and_load_round_trip(chained, kind, tmp_path):
     model = tiny_model("qwen3")
-    path = random_heads(model, tmp_path, heads=4)
+    path = random_heads(model, tmp_path, heads=4, chained=chained)
     loaded = read_adapter(model, path)
-    assert isinstance(loaded, DraftHeads) and loaded.shape == HeadsShape.for_model(model, 4)
-    assert json.loads(adapter_files(path)[1].read_text())["format"] == "hf-selfspec-draft-heads/1"
+    assert isinstance(loaded, kind) and loaded.shape == HeadsShape.for_model(model, 4, chained)
+    description = json.loads(adapter_files(path)[1].read_text())
+    assert description["format"] == "hf-selfspec-draft-heads/1" and description["chained"] is chained
+
+
+def test_heads_described_before_chains_load_as_separate_heads(tmp_path):
+    model = tiny_model("qwen3")
+    path = random_heads(model, tmp_path, heads=2)
+    description = json.loads(adapter_files(path)[1].read_text())
+    del description["chained"]
+    adapter_files(path)[1].write_text(json.dumps(description))
+    assert isinstance(read_adapter(model, path), DraftHeads)
 
 
 @pytest.mark.parametrize(
     "change, message",
     [({"hidden_size": 32}, "hidden_size 32.*model has 64"), ({"heads": 0}, "heads must be a positive integer"),
-     ({"model_type": "gpt2"}, "model_type 'gpt2'.*model has 'llama'"), ({"layers": 3}, "unexpected keyword")],
+     ({"model_type": "gpt2"}, "model_type 'gpt2'.*model has 'llama'"), ({"layers": 3}, "unexpected keyword"),
+     ({"chained": 1}, "chained must be true or false")],
 )
 def test_heads_that_do_not_fit_are_refused(change, message, tmp_path):
     model = tiny_model("llama")

@@ -33,13 +33,13 @@ from hf_selfspec.tuning.training.training import (
 STEPS = 300
 
 
-def _config(directory: Path, model_dir: Path, draft_heads: int = 0, **overrides) -> Path:
+def _config(directory: Path, model_dir: Path, draft_heads: int = 0, chained: bool = False, **overrides) -> Path:
     training = {"steps": STEPS, "batch_chunks": 2, "checkpoint_every": 10, "eval_every": 100, "seed": 3, "vocab_size": 512}
     training.update(overrides)
     lines = [
         "[model]", f'name = "{model_dir}"', "[corpus]", "stdlib_tokens = 2048", "humaneval_from = 150",
         "chunk_tokens = 64", "[adapter]", "exit_layers = [2]", f"draft_heads = {draft_heads}", 'output_dir = "out"',
-        'heads_name = "general-heads"',
+        'heads_name = "general-heads"', f"chained_heads = {str(chained).lower()}",
         "[training]",
         *(f"{key} = {value}" for key, value in training.items()),
     ]
@@ -49,16 +49,19 @@ def _config(directory: Path, model_dir: Path, draft_heads: int = 0, **overrides)
     return path
 
 
-@pytest.mark.parametrize("draft_heads, written, checkpoint", [(0, "kangaroo-exit2", "exit2"), (3, "general-heads", "heads3")])
+@pytest.mark.parametrize(
+    "draft_heads, chained, written, checkpoint",
+    [(0, False, "kangaroo-exit2", "exit2"), (3, False, "general-heads", "heads3"), (3, True, "general-heads", "chain3")],
+)
 def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(
-    draft_heads, written, checkpoint, tiny_llama_dir, tmp_path, monkeypatch
+    draft_heads, chained, written, checkpoint, tiny_llama_dir, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "cache-a"))
     [(exit_layer, uninterrupted, _)] = run_train_adapter(
-        load_train_config(_config(tmp_path / "a", tiny_llama_dir, draft_heads)), False
+        load_train_config(_config(tmp_path / "a", tiny_llama_dir, draft_heads, chained)), False
     )
 
-    config = _config(tmp_path / "b", tiny_llama_dir, draft_heads)
+    config = _config(tmp_path / "b", tiny_llama_dir, draft_heads, chained)
     env = {**os.environ, "HF_SELFSPEC_CACHE": str(tmp_path / "cache-b"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "hf_selfspec.cli", "train-adapter", str(config), "--no-progress"]
     checkpoints = kill_once_written(command, env, tmp_path / "cache-b", f"adapter-training/*/{checkpoint}.checkpoint.pt")
@@ -77,7 +80,7 @@ def test_training_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(
     model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
     trained = read_adapter(model, uninterrupted)
     if draft_heads:
-        assert exit_layer is None and trained.shape.heads == draft_heads
+        assert exit_layer is None and trained.shape.heads == draft_heads and trained.shape.chained == chained
         assert any(tensor.abs().sum() > 0 for tensor in first.values())  # moved from the identity
     else:
         assert trained.shape.exit_layer == exit_layer == 2
@@ -116,7 +119,7 @@ def test_the_training_vocabulary_covers_a_share_of_the_corpus_from_the_lowest_id
     assert covering_vocabulary(chunks, 0.9, 1000) == 0
 
 
-@pytest.mark.parametrize("student", ["adapter", "heads"])
+@pytest.mark.parametrize("student", ["adapter", "heads", "chain"])
 def test_a_training_step_is_timed_on_states_of_the_batch_s_shape(tiny_llama_dir, student):
     model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
     model.requires_grad_(False)
@@ -124,23 +127,43 @@ def test_a_training_step_is_timed_on_states_of_the_batch_s_shape(tiny_llama_dir,
 
     def make(states):
         made.append(tuple(states.shape))
-        if student == "heads":
-            return heads_student(model, 2, states, lr=1e-4)
+        if student != "adapter":
+            return heads_student(model, 2, states, lr=1e-4, chained=student == "chain")
         return adapter_student(model, 1, True, states, lr=1e-4)
 
     seconds = time_training_step(model, make, 64, 2, 16)
     assert made == [(2, 16, model.config.hidden_size)] and seconds > 0
 
 
-@pytest.mark.parametrize("student", ["adapter", "heads"])
+def test_a_chain_learns_each_step_from_the_state_and_token_it_drafts_from(tiny_llama_dir):
+    """The state at position t chose the corpus's token t + 1: the chain's first step there
+    reads that state and that token, its second step the first step's output and token t + 2,
+    as a draft after token t + 1 would."""
+    model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 8, model.config.hidden_size, generator=generator)
+    chunks = torch.randint(model.config.vocab_size, (2, 8), generator=generator)
+    student, _ = heads_student(model, 2, states, lr=1e-4, chained=True)
+    with torch.no_grad():
+        student.module.down.weight.normal_(generator=generator)
+        outputs = student.outputs(torch.tensor([1]), chunks, model.device)
+        embedded = model.get_input_embeddings()(chunks[1]).float()
+        first = student.module.step(states[1, 3], embedded[4])
+        second = student.module.step(first, embedded[5])
+    torch.testing.assert_close(outputs[0, 3, 0], first)
+    torch.testing.assert_close(outputs[0, 3, 1], second)
+
+
+@pytest.mark.parametrize("student", ["adapter", "heads", "chain"])
 def test_a_student_is_made_on_the_model_s_device(tiny_llama_dir, student):
     # The meta device stands in for a GPU: a student left on the CPU would meet the model's
     # states on another device at its first step.
     model, _ = load_model_and_tokenizer(str(tiny_llama_dir))
     model = model.to("meta").requires_grad_(False)
     states = torch.empty(2, 16, model.config.hidden_size, device="meta")
-    if student == "heads":
-        made, _ = heads_student(model, 2, states, lr=1e-4)
+    if student != "adapter":
+        made, _ = heads_student(model, 2, states, lr=1e-4, chained=student == "chain")
     else:
         made, _ = adapter_student(model, 1, True, states, lr=1e-4)
     assert {p.device for p in made.module.parameters()} == {model.device}

@@ -221,19 +221,21 @@ def test_the_estimate_counts_what_decoding_with_a_trained_adapter_does(
 
 
 @pytest.mark.parametrize(
-    "architecture, draft_vocab_size, draft_alternatives, threshold",
-    [("llama", 0, 0, 0.0), ("llama", 24, 2, 0.3), ("qwen2", 0, 1, 0.0), ("gemma3", 0, 0, 0.3)],
+    "architecture, draft_vocab_size, draft_alternatives, threshold, chained",
+    [("llama", 0, 0, 0.0, False), ("llama", 24, 2, 0.3, False), ("qwen2", 0, 1, 0.0, False), ("gemma3", 0, 0, 0.3, False),
+     ("llama", 0, 0, 0.0, True), ("qwen2", 24, 2, 0.3, True), ("gemma3", 0, 1, 0.0, True)],
 )
 def test_the_estimate_counts_what_decoding_with_draft_heads_does(
-    tmp_path, architecture, draft_vocab_size, draft_alternatives, threshold
+    tmp_path, architecture, draft_vocab_size, draft_alternatives, threshold, chained
 ):
-    """Draft heads read only the full model's final states of committed text, so the one pass
-    over the text predicts exactly what they propose after each token, the later heads' tokens
-    included: the estimate matches a real decode step for step. Reading those states leaves the
-    teacher-forced KV, which every trial reads, exactly as it was."""
+    """Draft heads read only the full model's final states of committed text (a chain, the
+    tokens as well: the committed ones, then its own), so the one pass over the text predicts
+    exactly what they propose after each token, the later heads' tokens included: the estimate
+    matches a real decode step for step. Reading those states leaves the teacher-forced KV,
+    which every trial reads, exactly as it was."""
     model = _sharp(architecture)
     params = resolve_params(NUM_LAYERS, {
-        "draft_adapter": random_heads(model, tmp_path), "max_draft_tokens": 3, "draft_exit_threshold": threshold,
+        "draft_adapter": random_heads(model, tmp_path, chained=chained), "max_draft_tokens": 3, "draft_exit_threshold": threshold,
         "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
     })  # fmt: skip
     total = StrategyStats()

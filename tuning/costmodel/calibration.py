@@ -19,7 +19,6 @@ from hf_selfspec.tuner_api import (
     DecodingState,
     DraftAwareCache,
     Drafter,
-    DraftHeads,
     DraftHeadsDrafter,
     ExitPolicy,
     HeadsShape,
@@ -218,7 +217,7 @@ def _draft_runs(
 
     def adapter_draft(path: str) -> Callable[[], None]:
         adapter = load_adapter(model, path)
-        if isinstance(adapter, DraftHeads):
+        if isinstance(adapter.shape, HeadsShape):
             heads = DraftHeadsDrafter(model, adapter)
             heads.features = hidden  # as a verification hands over; its cost depends on shapes alone
             return draft_run(heads, cache)

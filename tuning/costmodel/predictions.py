@@ -10,7 +10,9 @@ from transformers import DynamicCache
 
 from hf_selfspec.tuner_api import (
     DraftAdapter,
+    DraftChain,
     DraftHeads,
+    HeadsShape,
     RestrictedDraftHead,
     SelfSpecParams,
     SkippingDecoder,
@@ -167,11 +169,31 @@ def _ranked(head: RestrictedDraftHead, hidden: torch.Tensor, alternatives: int) 
     return head.token_ids[ranked.indices], ranked.values
 
 
-def _heads_predictions(model, data: TeacherForcedPrompt, heads: DraftHeads, head: RestrictedDraftHead, alternatives: int) -> DraftPredictions:
-    """Draft heads read only the full model's own final states, so what they propose after each
-    committed token is exactly what a decode's heads would: the first head's guess, then the
-    later heads' from the same state."""
-    tokens, values = _ranked(head, heads(final_states(model, data)), alternatives)  # [rows, heads, ranked]
+def _heads_ranked(
+    model, data: TeacherForcedPrompt, heads: DraftHeads | DraftChain, head: RestrictedDraftHead, alternatives: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(tokens, probabilities)` `[rows, heads, 1 + alternatives]`: what the heads propose after
+    each committed continuation token. A chain's first step reads that token, its later steps
+    the tokens the chain itself drafted, as a decode's chain does."""
+    final = final_states(model, data)
+    if isinstance(heads, DraftHeads):
+        return _ranked(head, heads(final), alternatives)
+    chosen = data.full_text[data.prompt_length : data.kv_length]
+    ranked = []
+    for _ in range(heads.shape.heads):
+        final = heads.step(final, model.get_input_embeddings()(chosen))
+        ranked.append(_ranked(head, final, alternatives))
+        chosen = ranked[-1][0][:, 0]
+    return torch.stack([tokens for tokens, _ in ranked], dim=1), torch.stack([values for _, values in ranked], dim=1)
+
+
+def _heads_predictions(
+    model, data: TeacherForcedPrompt, heads: DraftHeads | DraftChain, head: RestrictedDraftHead, alternatives: int
+) -> DraftPredictions:
+    """Draft heads read only the full model's own final states (and a chain, the tokens), so
+    what they propose after each committed token is exactly what a decode's heads would: the
+    first guess, then the later ones."""
+    tokens, values = _heads_ranked(model, data, heads, head, alternatives)  # [rows, heads, ranked]
     continuations = {
         row: list(zip(tokens[row, 1:, 0].tolist(), values[row, 1:, 0].tolist())) for row in range(tokens.shape[0])
     }
@@ -188,7 +210,7 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     # draft_vocab_size 0, the whole head).
     head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: data.prompt_length + 1])
     adapter = load_adapter(model, params.draft_adapter) if params.draft_adapter else None
-    if isinstance(adapter, DraftHeads):
+    if adapter is not None and isinstance(adapter.shape, HeadsShape):
         return _heads_predictions(model, data, adapter, head, params.draft_alternatives)
     if adapter is not None:
         hidden, adapter_cache = _adapter_hidden(model, data, adapter)

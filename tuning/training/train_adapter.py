@@ -34,6 +34,8 @@ class AdapterConfig:
     # Train this many draft heads (`<heads_name>.safetensors`) in place of the exit layers' adapters.
     draft_heads: int = 0
     heads_name: str = "draft-heads"
+    # The heads as one chain (`DraftChain`), each step reading the token drafted before it.
+    chained_heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,13 +135,14 @@ def run_train_adapter(config: TrainAdapterConfig, show_progress: bool = True, lo
     students = [(e, f"exit{e}", partial(adapter_student, model, e, config.adapter.mlp, teacher.shallow[e], lr),
                  config.adapter_path(e)) for e in config.exit_layers]
     if config.adapter.draft_heads:
-        heads = config.adapter.draft_heads
-        students.append((None, f"heads{heads}", partial(heads_student, model, heads, teacher.final, lr),
-                         config.heads_path))
+        heads, chained = config.adapter.draft_heads, config.adapter.chained_heads
+        students.append((None, f"{'chain' if chained else 'heads'}{heads}",
+                         partial(heads_student, model, heads, teacher.final, lr, chained), config.heads_path))
     results = []
     for exit_layer, checkpoint, make_student, output in students:
+        torch.manual_seed(config.training.seed)  # a student's random start (a chain's first layer) is the seed's
         path, agreement = train_student(
-            model, *make_student(), teacher.final, config.training, config.corpus.heldout_fraction,
+            model, *make_student(), teacher.final, teacher.chunks, config.training, config.corpus.heldout_fraction,
             work_dir(config) / f"{checkpoint}.checkpoint.pt", output, show_progress,
         )
         results.append((exit_layer, path, agreement))

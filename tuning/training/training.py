@@ -4,12 +4,13 @@ draft heads on the final hidden state.
 Both are a student that reads states of the teacher pass and gives logits to match the
 teacher's own at fixed offsets (`Student`): the adapter reads what enters its exit layer and
 matches the next token's distribution (offset 0), head `k` reads the final state and matches
-the distribution `k + 1` tokens further on.
+the distribution `k + 1` tokens further on. A chain of heads reads the corpus's tokens too, and
+each of its steps is trained on the state its step before gave, as it drafts.
 
-Determinism: the adapter starts as a copy of the exit layer and the heads as the identity,
-batches are drawn from a generator seeded by (seed, epoch), and a checkpoint holds the student,
-the optimizer and the step, so a run killed at any moment and resumed ends with the same
-weights as an uninterrupted one.
+Determinism: the adapter starts as a copy of the exit layer and the heads as the identity (a
+chain's first layer drawn from the seed), batches are drawn from a generator seeded by (seed,
+epoch), and a checkpoint holds the student, the optimizer and the step, so a run killed at any
+moment and resumed ends with the same weights as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hf_selfspec.tuner_api import AdapterShape, DraftAdapter, DraftHeads, HeadsShape, save_adapter, timed
+from hf_selfspec.tuner_api import AdapterShape, DraftAdapter, DraftChain, HeadsShape, heads_for, save_adapter, timed
 
 from .. import progress
 from .model_text import atomic_save
@@ -117,15 +118,19 @@ def teacher_targets(model, head: _DistillationHead, final: torch.Tensor) -> Call
 
 @dataclass
 class Student:
-    """A draft in training: `module` maps a batch of `inputs` chunks `[b, T, hidden]` to hidden
-    states `[b, T, len(offsets), hidden]` for the training head; output `k` at position `t`
-    learns the teacher's logits at `t + offsets[k]`."""
+    """A draft in training: `module` maps a batch of `inputs` chunks `[b, T, hidden]` and their
+    token ids `[b, T]` to hidden states `[b, T, len(offsets), hidden]` for the training head;
+    output `k` at position `t` learns the teacher's logits at `t + offsets[k]`."""
 
     name: str
     module: nn.Module
     inputs: torch.Tensor  # [n, T, hidden], the teacher pass's, for every chunk
     offsets: tuple[int, ...]
-    forward: Callable[[torch.Tensor], torch.Tensor]
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def outputs(self, batch: torch.Tensor | slice, chunks: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The student's outputs for the chunks `batch` of the corpus `chunks`."""
+        return self.forward(self.inputs[batch].to(device).float(), chunks[batch].to(device))
 
 
 def _paired(student: torch.Tensor, teacher: torch.Tensor, offsets: tuple[int, ...]):
@@ -137,12 +142,12 @@ def _paired(student: torch.Tensor, teacher: torch.Tensor, offsets: tuple[int, ..
 
 def distillation_step(
     model, student: Student, head: _DistillationHead, optimizer: torch.optim.Optimizer,
-    batch: torch.Tensor, target: torch.Tensor,
+    batch: torch.Tensor, chunks: torch.Tensor, target: torch.Tensor,
 ) -> float:
     """One optimizer step of the KL from the teacher's logits `target` to the student's over the
-    chunks `batch`, averaged over the student's outputs; the loss."""
+    chunks `batch` of `chunks`, averaged over the student's outputs; the loss."""
     with _reduced_precision(model):
-        logits = head(student.forward(student.inputs[batch].to(model.device).float()))
+        logits = head(student.outputs(batch, chunks, model.device))
     # The loss and the optimizer stay in float32.
     logits, target = torch.log_softmax(logits.float(), dim=-1), torch.log_softmax(target.to(model.device).float(), dim=-1)
     loss = sum(
@@ -167,14 +172,30 @@ def adapter_student(model, exit_layer: int, mlp: bool, shallow: torch.Tensor, lr
     enters that layer."""
     adapter, optimizer = _trainable(DraftAdapter(model, AdapterShape.for_model(model, exit_layer, mlp)), model.device, lr)
     positions = torch.arange(shallow.shape[1], device=model.device)[None]
-    forward = lambda hidden: adapter(hidden, positions.expand(hidden.shape[0], -1))[:, :, None]  # noqa: E731
+    forward = lambda hidden, _: adapter(hidden, positions.expand(hidden.shape[0], -1))[:, :, None]  # noqa: E731
     return Student(f"exit layer {exit_layer}", adapter, shallow, (0,), forward), optimizer
 
 
-def heads_student(model, heads: int, final: torch.Tensor, lr: float) -> tuple[Student, torch.optim.Optimizer]:
-    """New draft heads, the identity, reading `final`: the states the LM head reads."""
-    module, optimizer = _trainable(DraftHeads(HeadsShape.for_model(model, heads)), model.device, lr)
-    return Student(f"{heads} draft heads", module, final, tuple(range(1, heads + 1)), module), optimizer
+def heads_student(
+    model, heads: int, final: torch.Tensor, lr: float, chained: bool = False
+) -> tuple[Student, torch.optim.Optimizer]:
+    """New draft heads (a chain of them where `chained`), the identity, reading `final`: the
+    states the LM head reads."""
+    module, optimizer = _trainable(heads_for(HeadsShape.for_model(model, heads, chained)), model.device, lr)
+    offsets = tuple(range(1, heads + 1))
+    if not isinstance(module, DraftChain):
+        return Student(f"{heads} draft heads", module, final, offsets, lambda hidden, _: module(hidden)), optimizer
+    embeddings = model.get_input_embeddings()
+
+    def forward(hidden: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        # Step k at position t reads token t + k + 1; past a chunk's end, any token (the
+        # outputs there have no teacher logits to learn and are dropped).
+        following = torch.stack([chunks.roll(-ahead, dims=1) for ahead in offsets], dim=-1)
+        with torch.no_grad():
+            embedded = embeddings(following).float()
+        return module(hidden, embedded)
+
+    return Student(f"a chain of {heads} draft heads", module, final, offsets, forward), optimizer
 
 
 def time_training_step(
@@ -187,11 +208,12 @@ def time_training_step(
     head = _DistillationHead(model, vocab_size)
     generator = torch.Generator().manual_seed(0)
     inputs, final = (torch.randn(batch_chunks, chunk_tokens, head.weight.shape[1], generator=generator) for _ in range(2))
+    chunks = torch.randint(head.weight.shape[0], (batch_chunks, chunk_tokens), generator=generator)
     student, optimizer = make_student(inputs)
     batch = torch.arange(batch_chunks)
 
     def step() -> None:
-        distillation_step(model, student, head, optimizer, batch, teacher_logits(model, head, final))
+        distillation_step(model, student, head, optimizer, batch, chunks, teacher_logits(model, head, final))
 
     for _ in range(_WARM_UP_STEPS):
         step()
@@ -199,13 +221,15 @@ def time_training_step(
 
 
 @torch.no_grad()
-def heldout_agreement(student: Student, head: _DistillationHead, heldout: range, final: torch.Tensor) -> float:
+def heldout_agreement(
+    student: Student, head: _DistillationHead, heldout: range, final: torch.Tensor, chunks: torch.Tensor
+) -> float:
     """Top-1 agreement of the student's first output (through the training head) with the full
     model, over the chunks `heldout`."""
     agree = total = 0
     device = head.weight.device
     for index in heldout:
-        logits = head(student.forward(student.inputs[index : index + 1].to(device).float()))
+        logits = head(student.outputs(slice(index, index + 1), chunks, device))
         teacher = head(final[index : index + 1].to(device))
         mine, theirs = next(_paired(logits.argmax(-1), teacher.argmax(-1), student.offsets))
         agree += int((mine == theirs).sum())
@@ -214,12 +238,12 @@ def heldout_agreement(student: Student, head: _DistillationHead, heldout: range,
 
 
 def train_student(
-    model, student: Student, optimizer: torch.optim.Optimizer, final: torch.Tensor, training: TrainingConfig,
-    heldout_fraction: float, checkpoint: Path, output: Path, show_progress: bool,
+    model, student: Student, optimizer: torch.optim.Optimizer, final: torch.Tensor, tokens: torch.Tensor,
+    training: TrainingConfig, heldout_fraction: float, checkpoint: Path, output: Path, show_progress: bool,
 ) -> tuple[Path, float]:
     """Train `student` (resuming from `checkpoint` if it exists) on all but the last
-    `heldout_fraction` of the chunks, which measure it, against the teacher's logits from
-    `final`, and write it to `output`; `(written file, held-out agreement)`."""
+    `heldout_fraction` of the chunks `tokens`, which measure it, against the teacher's logits
+    from `final`, and write it to `output`; `(written file, held-out agreement)`."""
     torch.manual_seed(training.seed)
     head = _DistillationHead(model, training.vocab_size)
     chunks = final.shape[0]
@@ -239,11 +263,11 @@ def train_student(
     with progress.task(f"training {student.name}", total=training.steps - step, unit="steps"):
         while step < training.steps:
             batch = _batch_indices(train_count, step, training.batch_chunks, training.seed)
-            loss_value = distillation_step(model, student, head, optimizer, batch, targets(batch))
+            loss_value = distillation_step(model, student, head, optimizer, batch, tokens, targets(batch))
             step += 1
             if step % training.eval_every == 0 or step == training.steps:
                 student.module.eval()
-                agreement = heldout_agreement(student, head, range(train_count, chunks), final)
+                agreement = heldout_agreement(student, head, range(train_count, chunks), final, tokens)
                 student.module.train()
                 logger.info("%s, step %d: loss %.4f, top-1 agreement %.4f on the corpus's held-out chunks", student.name, step, loss_value, agreement)
             if step % training.checkpoint_every == 0 or step == training.steps:
