@@ -27,9 +27,9 @@ ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-generation_config.j
 GENERAL_ALONE_PROFILE = read_profiles_file(SHIPPED / "kangaroo-alone-general-generation_config.json")["cpu/bfloat16"]
 # The default a CPU with AMX applies in bfloat16, which no other CPU selects: run here in each dtype.
 AMX_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/amx/bfloat16"]
-# The default any other CPU with native bfloat16 applies: one draft head's token and its runner-ups beside lookup.
+# The default any other CPU with native bfloat16 applies: a chain of draft heads and their runner-ups beside lookup.
 HEADS_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/bfloat16"]
-# The default in float32: the same heads, fewer runner-ups, tuned where a verification's width costs more.
+# The default in float32: the same chain, one token and its runner-ups, tuned where a verification's width costs more.
 FLOAT32_PROFILE = read_profiles_file(TUNED_CONFIG)["cpu/float32"]
 
 
@@ -55,9 +55,12 @@ STRATEGY_KWARGS = {
     "kangaroo_alone_general_profile": {"strategy": GENERAL_ALONE_PROFILE.strategy, **GENERAL_ALONE_PROFILE.params},
     # Thirteen-token lookups into the general corpus, the general adapter's drafts, no back-off.
     "amx_default_profile": {"strategy": AMX_PROFILE.strategy, **AMX_PROFILE.params},
-    # The shipped general draft heads (general-heads3), run here in each dtype.
+    # The shipped chain of draft heads (general-chain3), run here in each dtype.
     "heads_default_profile": {"strategy": HEADS_PROFILE.strategy, **HEADS_PROFILE.params},
     "float32_default_profile": {"strategy": FLOAT32_PROFILE.strategy, **FLOAT32_PROFILE.params},
+    # The shipped chain of heads alone, three tokens deep, each with two runner-ups.
+    "chain_alone": {"strategy": "kangaroo", "draft_adapter": "general-chain3.safetensors", "max_draft_tokens": 3,
+                    "draft_alternatives": 2, "draft_exit_threshold": 0.0, "backoff_probe_interval": 0},
     # The lookup corpus that ships beside them: the model's own continuations of other prompts.
     "lookup_corpus_shipped": {"strategy": "target_confidence_gated", "target_confidence_threshold": 1.0,
                               "prompt_lookup_tokens": 10, "prompt_lookup_ngram": 6, "max_draft_tokens": 10,
