@@ -21,7 +21,7 @@ from transformers import StoppingCriteriaList
 
 from .batch import Batch, Row, within_quorum
 from .cache import DraftAwareCache, cache_keyword
-from .decoding_types import DecodingState, Draft, Drafter, ExitPolicy, StepOutcome, Verdict
+from .decoding_types import MODEL_SOURCE, DecodingState, Draft, Drafter, ExitPolicy, StepOutcome, Verdict
 from .lookup import PromptLookup
 from .narrow_linear import verifying
 from .policies import Backoff, Gate
@@ -80,6 +80,8 @@ class SpeculationParts:
     backoff: Backoff
     rows: list[RowParts]
     batch_quorum: float = 0.0  # a batch's proposals are no longer than this share of its rows' (`within_quorum`)
+    # The drafter's first guesses verified beside a lookup proposal in a batch of one (`guessed_beside`).
+    lookup_alternatives: int = 0
 
     def propose(self, rows: list[Row], limits: list[int], prefill: bool) -> list[Draft]:
         """Each row's proposal, of at most its limit: the back-off decides for the whole step
@@ -92,7 +94,20 @@ class SpeculationParts:
             states, exit_policies = [row.state for row in rows], [row.parts.exit_policy for row in rows]
             drafted = self.drafter.propose_rows(states, wanted, exit_policies, [row.selector for row in rows])
             drafts = [model if tokens else draft for draft, model, tokens in zip(drafts, drafted, wanted)]
+        if speculate and not prefill and len(rows) == 1:
+            drafts = [self.guessed_beside(rows[0].state, drafts[0])]
         return within_quorum(drafts, self.batch_quorum)
+
+    def guessed_beside(self, state: DecodingState, draft: Draft) -> Draft:
+        """A lookup proposal with the drafter's first guesses (up to `lookup_alternatives`) that
+        differ from its first token verified beside it: where lookup is wrong at once, the
+        draft's guess there can still commit two tokens. Any other draft as it is."""
+        if not self.lookup_alternatives or not draft.tokens or draft.source == MODEL_SOURCE or draft.alternatives:
+            return draft
+        guesses = [token for token in self.drafter.guesses(state, self.lookup_alternatives) if token != draft.tokens[0]]
+        if guesses:
+            draft.alternatives = [guesses[: self.lookup_alternatives]] + [[] for _ in draft.tokens[1:]]
+        return draft
 
     def learn(self, rows: list[Row], outcomes: list[StepOutcome], hidden: torch.Tensor | None) -> None:
         """Each row's parts learn from its own outcome; the drafter and the back-off, which serve

@@ -188,6 +188,12 @@ class Drafter:
             for state, limit, exit_policy, selector in zip(states, limits, exit_policies, selectors)
         ]
 
+    def guesses(self, state: DecodingState, count: int) -> list[int]:
+        """The draft's `count` likeliest first tokens after the committed text, where it can name
+        them without running a layer (draft heads), for verifying beside another source's
+        proposal; none where it cannot (this default)."""
+        return []
+
     def learn(self, outcome: StepOutcome) -> None:
         """After every verification, whoever proposed (prompt lookup, the model, nobody); in a
         batch, the step's outcome joins its rows' (`StepOutcome.of_batch`)."""

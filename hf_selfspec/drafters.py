@@ -406,6 +406,19 @@ class DraftHeadsDrafter(Drafter):
                 break
         return drafts
 
+    def guesses(self, state, count):
+        if self.features is None or len(self.features) != 1:
+            return []
+        if self.head is None:
+            self.head = _draft_head(self.model, self.draft_vocab_size, [state])
+        if isinstance(self.heads, DraftChain):
+            newest = self.model.get_input_embeddings()(state.sequence[:, state.length - 1])
+            first = self.heads.step(self.features, newest)
+        else:
+            first = self.heads(self.features)[:, 0]
+        values, indices = (column.tolist() for column in self.head(first)[0].topk(count))
+        return [token for value, token in zip(values, indices) if value > -float("inf")]
+
     def learn(self, outcome: StepOutcome) -> None:
         rows = outcome.rows or (outcome,)
         self.features = torch.cat([row.hidden[:, row.newest_row] for row in rows])

@@ -53,6 +53,10 @@ class SelfSpecParams:
     # Runner-up tokens of the draft verified beside each drafted token, in the same forward pass
     # (see `alternatives.py`).
     draft_alternatives: int = 0
+    # The draft heads' likeliest first tokens verified beside a lookup proposal's first token,
+    # where they differ from it (draft heads name them without running a layer; other drafts
+    # name none): a lookup proposal's first token is where it is most often wrong.
+    lookup_alternatives: int = 0
     # Steps between probes of whichever of speculating and plain decoding is currently slower
     # per committed token (0: always speculate); see `ThroughputBackoff`. On the embedded model's
     # chat prompts, 8 probed a hopeless draft often enough to cost a few percent, and 32 was no
@@ -130,6 +134,7 @@ _COUNT_KEYS = {
     "draft_source_probe_interval": 0,
     "draft_vocab_size": 0,
     "draft_alternatives": 0,
+    "lookup_alternatives": 0,
     "backoff_probe_interval": 0,
     "online_corpus_max_tokens": 1,
     "online_corpus_min_context": 1,

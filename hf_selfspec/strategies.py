@@ -70,6 +70,7 @@ class Strategy:
         "online_corpus_max_tokens",
         "online_corpus_min_context",
         "batch_quorum",
+        "lookup_alternatives",
     )
 
     def build_exit_policy(self, params: SelfSpecParams) -> ExitPolicy:
@@ -152,15 +153,15 @@ class Strategy:
         """The draft that runs a model (a skip set, an adapter, an assistant): the part whose
         forward passes the tuner's estimate predicts instead of running, keeping the rest of
         the strategy's composition as it is."""
-        if params.draft_alternatives:
+        for knob in ("draft_alternatives", "lookup_alternatives"):
+            if not getattr(params, knob):
+                continue
             if assistant_model is not None:
-                raise ValueError("draft_alternatives needs the model's own draft, not an assistant_model")
-            check_hand_built_masks_supported(model, "draft_alternatives", "use draft_alternatives=0")
+                raise ValueError(f"{knob} needs the model's own draft, not an assistant_model")
+            check_hand_built_masks_supported(model, knob, f"use {knob}=0")
             vocab_size = model.get_output_embeddings().weight.shape[0]
-            if params.draft_alternatives >= vocab_size:
-                raise ValueError(
-                    f"draft_alternatives ({params.draft_alternatives}) must be below the model's vocabulary size ({vocab_size})"
-                )
+            if getattr(params, knob) >= vocab_size:
+                raise ValueError(f"{knob} ({getattr(params, knob)}) must be below the model's vocabulary size ({vocab_size})")
         if assistant_model is not None:
             return AssistantDrafter(assistant_model, cache)
         if self.needs_draft_adapter and not params.draft_adapter:
@@ -219,6 +220,7 @@ class Strategy:
                 for _ in range(rows)
             ],
             batch_quorum=params.batch_quorum,
+            lookup_alternatives=params.lookup_alternatives,
         )
 
 

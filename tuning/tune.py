@@ -367,7 +367,8 @@ def _estimating(model, prepared, config: StudyConfig, num_layers: int, generate_
     max_alternatives = int(config.search.range_of("draft_alternatives")[1])
     lookups = ("prompt_lookup_max_tokens", *(("online_corpus_max_tokens",) if True in config.search.online_corpus else ()))
     longest_lookup = int(max(config.search.range_of(name)[1] for name in lookups))
-    widest = max(max_draft * (1 + max_alternatives), longest_lookup) + 1
+    beside_lookup = int(config.search.range_of("lookup_alternatives")[1])
+    widest = max(max_draft * (1 + max_alternatives), longest_lookup + beside_lookup) + 1
     objective, cost_watch = estimated_objective(
         model, forced, config.search, num_layers, widest, generate_kwargs, worker, config.study.category_floor,
         config.study.calibration_rounds,

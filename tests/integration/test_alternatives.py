@@ -204,14 +204,16 @@ def test_attention_a_hand_built_mask_cannot_express_refuses_alternatives(setting
                        draft_alternatives=1)
 
 
-def test_an_assistant_model_refuses_alternatives():
+@pytest.mark.parametrize("knob", ["draft_alternatives", "lookup_alternatives"])
+def test_an_assistant_model_refuses_alternatives(knob):
     model, assistant = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
-    with pytest.raises(ValueError, match="draft_alternatives needs the model's own draft"):
+    with pytest.raises(ValueError, match=f"{knob} needs the model's own draft"):
         model.generate(random_prompts(96)[0], max_new_tokens=4, do_sample=False, strategy="target_confidence_gated",
-                       assistant_model=assistant, draft_alternatives=1)
+                       assistant_model=assistant, **{knob: 1})
 
 
-def test_a_negative_count_is_refused():
-    with pytest.raises(ValueError, match="draft_alternatives must be >= 0"):
+@pytest.mark.parametrize("knob", ["draft_alternatives", "lookup_alternatives"])
+def test_a_negative_count_is_refused(knob):
+    with pytest.raises(ValueError, match=f"{knob} must be >= 0"):
         tiny_model("llama").generate(random_prompts(96)[0], max_new_tokens=4, strategy="self_speculative",
-                                     draft_alternatives=-1)
+                                     **{knob: -1})

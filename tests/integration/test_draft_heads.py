@@ -11,6 +11,8 @@ import torch
 
 from hf_selfspec.adapter import read_adapter
 from hf_selfspec.draft_heads import DraftChain, DraftHeads, HeadsShape
+from hf_selfspec.decoding import SpeculationParts
+from hf_selfspec.decoding_types import MODEL_SOURCE
 from hf_selfspec.drafters import DraftHeadsDrafter
 from hf_selfspec.files import adapter_files
 from helpers.adapters import assert_trained_draft_matches_plain_greedy, random_heads
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.version_sensitive
 KNOBS = [
     {"draft_exit_threshold": 0.0},
     {"draft_exit_threshold": 0.0, "draft_vocab_size": 24, "draft_alternatives": 2},
-    {"prompt_lookup_tokens": 3, "prompt_lookup_min_ngram": 1},
+    {"prompt_lookup_tokens": 3, "prompt_lookup_min_ngram": 1, "lookup_alternatives": 2},
 ]
 
 
@@ -70,6 +72,36 @@ def test_an_identity_head_guesses_the_newest_token_again(architecture, alternati
 
 
 @pytest.mark.parametrize("chained", [False, True])
+def test_an_identity_head_guesses_the_newest_token_beside_a_lookup_proposal(chained, tmp_path, monkeypatch):
+    """Beside a lookup proposal the heads' first guesses are verified where they differ from the
+    proposal's first token: an untrained head's best guess is the newest committed token, so
+    that is the first alternative offered, and is not offered where lookup proposes it itself.
+    Where lookup is wrong and the text repeats its newest token, that guess is taken."""
+    model = tiny_model("qwen2", initializer_range=0.3)
+    heads = random_heads(model, tmp_path, heads=2, scale=0.0, chained=chained)
+    seen = []
+    guessed_beside = SpeculationParts.guessed_beside
+
+    def recording(self, state, draft):
+        draft = guessed_beside(self, state, draft)
+        if draft.source != MODEL_SOURCE and draft.tokens:
+            seen.append((int(state.sequence[0, state.length - 1]), draft.tokens[0], draft.alternatives[0]))
+        return draft
+
+    monkeypatch.setattr(SpeculationParts, "guessed_beside", recording)
+    taken = 0
+    for prompt in random_prompts(model.config.vocab_size):
+        output = assert_same_greedy(model, prompt, strategy="kangaroo", draft_adapter=heads, max_draft_tokens=3,
+                                    draft_exit_threshold=0.0, backoff_probe_interval=0, prompt_lookup_tokens=3,
+                                    prompt_lookup_min_ngram=1, lookup_alternatives=2)
+        taken += output.strategy_stats.accepted_alternatives
+    assert any(newest != first for newest, first, _ in seen)
+    assert all(len(offered) == 2 and offered[0] == newest for newest, first, offered in seen if newest != first), seen
+    assert all(newest not in offered and len(offered) == 1 for newest, first, offered in seen if newest == first), seen
+    assert taken > 0
+
+
+@pytest.mark.parametrize("chained", [False, True])
 def test_an_identity_head_guesses_the_newest_token_in_a_batch(chained, tmp_path, monkeypatch):
     model = tiny_model("qwen2", initializer_range=0.3)
     heads = random_heads(model, tmp_path, heads=2, scale=0.0, chained=chained)
@@ -97,6 +129,14 @@ def test_sampling_with_heads_keeps_the_distribution(chained, tmp_path):
     model = sampling_model()
     heads = random_heads(model, tmp_path, scale=0.2, chained=chained)
     counts = sample_counts(model, seed=2024, strategy="kangaroo", draft_adapter=heads, draft_exit_threshold=0.0)
+    assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
+
+
+def test_sampling_with_guesses_beside_lookup_keeps_the_distribution(tmp_path):
+    model = sampling_model()
+    heads = random_heads(model, tmp_path, scale=0.2, chained=True)
+    counts = sample_counts(model, seed=2025, strategy="kangaroo", draft_adapter=heads, draft_exit_threshold=0.0,
+                           prompt_lookup_tokens=2, prompt_lookup_min_ngram=1, lookup_alternatives=2)
     assert goodness_of_fit(counts, exact_joint(model)) > 1e-3
 
 

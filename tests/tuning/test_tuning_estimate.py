@@ -221,12 +221,13 @@ def test_the_estimate_counts_what_decoding_with_a_trained_adapter_does(
 
 
 @pytest.mark.parametrize(
-    "architecture, draft_vocab_size, draft_alternatives, threshold, chained",
-    [("llama", 0, 0, 0.0, False), ("llama", 24, 2, 0.3, False), ("qwen2", 0, 1, 0.0, False), ("gemma3", 0, 0, 0.3, False),
-     ("llama", 0, 0, 0.0, True), ("qwen2", 24, 2, 0.3, True), ("gemma3", 0, 1, 0.0, True)],
+    "architecture, draft_vocab_size, draft_alternatives, threshold, chained, beside_lookup",
+    [("llama", 0, 0, 0.0, False, 0), ("llama", 24, 2, 0.3, False, 0), ("qwen2", 0, 1, 0.0, False, 0),
+     ("gemma3", 0, 0, 0.3, False, 0), ("llama", 0, 0, 0.0, True, 0), ("qwen2", 24, 2, 0.3, True, 0),
+     ("gemma3", 0, 1, 0.0, True, 0), ("llama", 24, 0, 0.0, True, 3), ("qwen2", 0, 1, 0.3, False, 2)],
 )
 def test_the_estimate_counts_what_decoding_with_draft_heads_does(
-    tmp_path, architecture, draft_vocab_size, draft_alternatives, threshold, chained
+    tmp_path, architecture, draft_vocab_size, draft_alternatives, threshold, chained, beside_lookup
 ):
     """Draft heads read only the full model's final states of committed text (a chain, the
     tokens as well: the committed ones, then its own), so the one pass over the text predicts
@@ -237,6 +238,7 @@ def test_the_estimate_counts_what_decoding_with_draft_heads_does(
     params = resolve_params(NUM_LAYERS, {
         "draft_adapter": random_heads(model, tmp_path, chained=chained), "max_draft_tokens": 3, "draft_exit_threshold": threshold,
         "draft_vocab_size": draft_vocab_size, "backoff_probe_interval": 0, "draft_alternatives": draft_alternatives,
+        **({"prompt_lookup_tokens": 3, "prompt_lookup_min_ngram": 1, "lookup_alternatives": beside_lookup} if beside_lookup else {}),
     })  # fmt: skip
     total = StrategyStats()
     for seed, length in enumerate(PROMPT_LENGTHS):

@@ -34,11 +34,14 @@ ONLINE = ("online_corpus_min_prob", "online_corpus_max_tokens", "online_corpus_m
 # Declared by every strategy since, and asked for in every trial: fixed at its default unless a
 # batched study gives it a range, where a single value draws nothing from a seeded sampler.
 BATCH = ("batch_quorum",)
+# Declared by every strategy since, asked for in every trial, fixed at its default (none) unless
+# a study gives it a range.
+BESIDE_LOOKUP = ("lookup_alternatives",)
 BUILT_IN_KNOBS = {
-    "self_speculative": SHARED + BATCH,
-    "adaptive_draft_exit": SHARED + BATCH + ("target_acceptance", "threshold_step"),
-    "target_confidence_gated": SHARED + BATCH + ("target_confidence_threshold",),
-    "kangaroo": SHARED + BATCH,
+    "self_speculative": SHARED + BATCH + BESIDE_LOOKUP,
+    "adaptive_draft_exit": SHARED + BATCH + BESIDE_LOOKUP + ("target_acceptance", "threshold_step"),
+    "target_confidence_gated": SHARED + BATCH + BESIDE_LOOKUP + ("target_confidence_threshold",),
+    "kangaroo": SHARED + BATCH + BESIDE_LOOKUP,
 }
 
 

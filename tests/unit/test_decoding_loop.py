@@ -288,8 +288,9 @@ def test_the_loops_contract_stays_small():
     assert len(inspect.signature(speculative_decode).parameters) <= 7
     drafter_methods = {name for name, value in vars(Drafter).items() if callable(value) and not name.startswith("_")}
     # a batch's rows draft together (`propose_rows`) and move in the cache (`realign`); both default
-    # to what one text needs (`propose`, `rollback`)
-    assert drafter_methods == {"propose", "propose_rows", "learn", "rollback", "realign", "continue_from"}
+    # to what one text needs (`propose`, `rollback`); `guesses`, beside another source's proposal,
+    # defaults to none
+    assert drafter_methods == {"propose", "propose_rows", "guesses", "learn", "rollback", "realign", "continue_from"}
     adaptive = [
         Drafter, ExitPolicy, SpeculationParts, lookup.PromptLookup, lookup.TextLookup, lookup.CorpusLookup,
         *(part for module in (policies, drafters) for part in vars(module).values()

@@ -150,6 +150,9 @@ class DraftPredictions:
     # draft, whose later tokens are approximate anyway) the draft is taken to go on with the
     # next rows' guesses.
     continuations: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    # Row j -> the draft's likeliest first tokens there, best first (`lookup_alternatives` of
+    # them), where it names them without running a layer (draft heads); empty elsewhere.
+    first_guesses: list[list[int]] = field(default_factory=list)
 
     def chain(self, row: int, limit: int) -> list[tuple[int, float]]:
         """What a real draft starting at `row` proposes, at most `limit` tokens, each with its
@@ -188,16 +191,21 @@ def _heads_ranked(
 
 
 def _heads_predictions(
-    model, data: TeacherForcedPrompt, heads: DraftHeads | DraftChain, head: RestrictedDraftHead, alternatives: int
+    model, data: TeacherForcedPrompt, heads: DraftHeads | DraftChain, head: RestrictedDraftHead, params: SelfSpecParams
 ) -> DraftPredictions:
     """Draft heads read only the full model's own final states (and a chain, the tokens), so
     what they propose after each committed token is exactly what a decode's heads would: the
     first guess, then the later ones."""
-    tokens, values = _heads_ranked(model, data, heads, head, alternatives)  # [rows, heads, ranked]
+    alternatives = params.draft_alternatives
+    ranked = max(alternatives, params.lookup_alternatives - 1)
+    tokens, values = _heads_ranked(model, data, heads, head, ranked)  # [rows, heads, ranked]
     continuations = {
         row: list(zip(tokens[row, 1:, 0].tolist(), values[row, 1:, 0].tolist())) for row in range(tokens.shape[0])
     }
-    return DraftPredictions(tokens[:, 0, 0].tolist(), values[:, 0, 0].tolist(), tokens[:, 0, 1:].tolist(), continuations)
+    return DraftPredictions(
+        tokens[:, 0, 0].tolist(), values[:, 0, 0].tolist(), tokens[:, 0, 1 : 1 + alternatives].tolist(), continuations,
+        tokens[:, 0, : params.lookup_alternatives].tolist(),
+    )
 
 
 @torch.no_grad()
@@ -211,7 +219,7 @@ def draft_predictions(model, data: TeacherForcedPrompt, params: SelfSpecParams) 
     head = RestrictedDraftHead(model, params.draft_vocab_size, data.full_text[: data.prompt_length + 1])
     adapter = load_adapter(model, params.draft_adapter) if params.draft_adapter else None
     if adapter is not None and isinstance(adapter.shape, HeadsShape):
-        return _heads_predictions(model, data, adapter, head, params.draft_alternatives)
+        return _heads_predictions(model, data, adapter, head, params)
     if adapter is not None:
         hidden, adapter_cache = _adapter_hidden(model, data, adapter)
     else:

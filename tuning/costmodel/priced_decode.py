@@ -49,6 +49,10 @@ class _PredictedDraft(Drafter):
         draft.alternatives = self.predictions.alternatives[row : row + len(draft.tokens)]
         return draft
 
+    def guesses(self, state, count):
+        row = state.length - self.prompt_length - 1
+        return self.predictions.first_guesses[row][:count] if row < len(self.predictions.first_guesses) else []
+
 
 class _KnownVerifier:
     """The full model's forward pass where plain greedy decoding has already said what it
@@ -83,8 +87,9 @@ class PricedClock(WallClock):
     """The decoding loop's clock in an estimate: every stage priced by the cost model instead of
     timed. A verification costs the forward pass over its inputs (the first one, the prompt's
     prefill, what the prompt's prefill was timed at) and the loop's overhead per step; a draft,
-    its model-drafted tokens (a lookup's cost nothing). The back-off and the draft source choice
-    learn from these prices as they learn from wall time in a real decode."""
+    its model-drafted tokens (a lookup's cost nothing, but the draft's guesses verified beside
+    one cost a drafted token). The back-off and the draft source choice learn from these prices
+    as they learn from wall time in a real decode."""
 
     def __init__(self, cost: CostModel, params: SelfSpecParams, prefill_seconds: float):
         self.cost, self.prefill_seconds = cost, prefill_seconds
@@ -98,6 +103,8 @@ class PricedClock(WallClock):
     def drafted(self, draft: Draft) -> float:
         if draft.source == MODEL_SOURCE:
             self.seconds += len(draft.tokens) * self.draft_token_seconds
+        elif draft.alternatives:
+            self.seconds += self.draft_token_seconds
         return self.seconds
 
     def verified(self, tokens: int) -> float:

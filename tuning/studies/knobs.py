@@ -64,6 +64,8 @@ KNOBS: dict[str, Knob] = {
         Knob("draft_vocab_size", int, _fixed_at_default("draft_vocab_size"), (0, None)),
         # Verifying the draft's runner-ups widens every verification: off unless a study asks.
         Knob("draft_alternatives", int, _fixed_at_default("draft_alternatives"), (0, None)),
+        # The draft heads' first guesses beside a lookup proposal widen its verifications alike.
+        Knob("lookup_alternatives", int, _fixed_at_default("lookup_alternatives"), (0, None)),
         # How often the back-off probes the mode it is not using (0: never back off).
         Knob("backoff_probe_interval", int, _fixed_at_default("backoff_probe_interval"), (0, None)),
         # The online corpus's (searched only in trials that switch it on; see the config's
